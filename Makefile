@@ -1,0 +1,37 @@
+# Two entry points, both from a fresh clone: `make demo` and `make test`.
+# The venv is rebuilt only when pyproject.toml changes (the stamp file).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.pdxfer-installed
+
+# torch is pinned here, not in pyproject: 2.13.0 is the CPU build on these
+# machines' local disk, while an unpinned torch pulls a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) -m examples.launch_pd --transport tcp --requests 8 --prompt-len 48 --gen-len 8
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(VENV)/bin/pdxfer bench transport
+	$(VENV)/bin/pdxfer bench engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

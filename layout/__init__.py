@@ -1,0 +1,1 @@
+"""Layout (filled in by the layout work)."""

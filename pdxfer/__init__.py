@@ -1,0 +1,1 @@
+"""PD engine (filled in by the engine work)."""

@@ -1,0 +1,3 @@
+from pdxfer.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""PD-engine failures, children of the one root every pdxfer error shares.
+
+Transport causes (`PeerLostError`, `TransferTimeout`, `BoundsError`, ...) are
+re-exported unchanged rather than wrapped, so a caller catching
+`PeerLostError` catches it whether the socket or the handshake noticed.
+"""
+
+from __future__ import annotations
+
+from layout.errors import LayoutError, PdxferError
+from transport.errors import (
+    BoundsError,
+    CapabilityError,
+    ClosedError,
+    PeerLostError,
+    ProtocolError,
+    RegistrationError,
+    TransferTimeout,
+    TransportError,
+)
+
+
+class LayoutMismatchError(PdxferError):
+    """Prefill and decode disagree on a pool's bytes; names the pool and field."""
+
+
+class RequestError(PdxferError):
+    """A request-level refusal: unknown id, duplicate id, wrong pools or indices."""
+
+
+class RequestFailed(PdxferError):
+    """A request ended in failure; `.reason` says why."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id!r} failed: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+__all__ = [
+    "BoundsError",
+    "CapabilityError",
+    "ClosedError",
+    "LayoutError",
+    "LayoutMismatchError",
+    "PdxferError",
+    "PeerLostError",
+    "ProtocolError",
+    "RegistrationError",
+    "RequestError",
+    "RequestFailed",
+    "TransferTimeout",
+    "TransportError",
+]

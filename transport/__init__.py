@@ -1,0 +1,38 @@
+"""Registered memory and moving byte ranges between processes.
+
+`transport` knows byte ranges and nothing of fields or requests: register a
+buffer once, describe it to a peer once, then post whole segment tables
+(`[n, 3]` int64 `(src_offset, dst_offset, nbytes)`) as single transfers.
+"""
+
+from .base import Capabilities, Connection, LocalRegion, NotifyHandler, TransferHandle, TransportEngine
+from .errors import (
+    BoundsError,
+    CapabilityError,
+    ClosedError,
+    PeerLostError,
+    ProtocolError,
+    RegistrationError,
+    TransferTimeout,
+    TransportError,
+)
+from .registry import available, create
+
+__all__ = [
+    "BoundsError",
+    "Capabilities",
+    "CapabilityError",
+    "ClosedError",
+    "Connection",
+    "LocalRegion",
+    "NotifyHandler",
+    "PeerLostError",
+    "ProtocolError",
+    "RegistrationError",
+    "TransferHandle",
+    "TransferTimeout",
+    "TransportEngine",
+    "TransportError",
+    "available",
+    "create",
+]

@@ -1,0 +1,158 @@
+"""The one small interface every backend implements.
+
+A transport moves byte ranges between registered memory. It knows nothing of
+fields, entries or requests: the caller hands it a *segment table* — an int64
+array `[n, 3]` of `(src_offset, dst_offset, nbytes)`, offsets counted from the
+start of the local and remote region — and one write posts the whole table.
+
+The shape follows NIXL's good idea: register once, describe once, and pass
+index arrays per request. A `LocalRegion` is registered at start-up and its
+`descriptor()` (a plain msgpack-able dict) is sent to peers once, in the
+handshake; every later write names it and carries only the table.
+
+Capabilities are flags on the engine class so callers ask rather than guess:
+a PD engine checks `cuda_memory` before registering a GPU pool, and a tcp
+backend that must bounce CUDA memory through host memory says so.
+
+Deletion condition for this module: none — adding a backend means one new
+module implementing these classes and one line in `transport.registry`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+# What a receiving engine calls for each notify payload, with the sending
+# engine's id, after that transfer's bytes are all in its memory. Runs on a
+# backend I/O thread: keep it short and never block in it.
+NotifyHandler = Callable[[str, bytes], None]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; ask before you rely on it."""
+
+    cuda_memory: bool  # registers CUDA tensors (possibly via a host bounce)
+    cuda_zero_copy: bool  # ... and moves them without a host bounce
+    cross_process: bool  # peers may live in other processes / hosts
+    one_sided: bool  # writes land without the receiver's CPU copying bytes
+    notify: bool  # write(..., notify=...) is delivered after the data
+    read: bool  # connection.read() is implemented
+
+
+class LocalRegion(abc.ABC):
+    """A registered, contiguous byte range of local memory."""
+
+    region_id: int
+    length: int
+    device: str  # "cpu" or "cuda"
+
+    @abc.abstractmethod
+    def descriptor(self) -> dict[str, Any]:
+        """What a peer needs to address this region: a plain msgpack-able dict.
+
+        Always holds `backend`, `engine` (the owning engine's id), `region`,
+        `length` and `device`; backends may add keys of their own.
+        """
+
+
+class TransferHandle(abc.ABC):
+    """One posted write. Completion means every byte is in the peer's memory."""
+
+    @abc.abstractmethod
+    def poll(self) -> bool:
+        """True when done, False while in flight; raises the transfer's error if it failed."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done; `TransferTimeout` past `timeout`, or the transfer's own error."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes the transfer moves."""
+
+
+class Connection(abc.ABC):
+    """A sender's link to one peer engine."""
+
+    @abc.abstractmethod
+    def write(
+        self,
+        local: LocalRegion,
+        remote: dict[str, Any],
+        segments: np.ndarray,
+        notify: bytes | None = None,
+    ) -> TransferHandle:
+        """Post the whole segment table as one transfer, local → remote.
+
+        Every segment is checked against both regions before a byte moves
+        (`BoundsError`); `notify`, if given, is delivered to the peer's
+        notify handler after every byte of this transfer has landed.
+        """
+
+    def read(
+        self, local: LocalRegion, remote: dict[str, Any], segments: np.ndarray
+    ) -> TransferHandle:
+        """Pull remote → local (columns: remote offset, local offset, nbytes). Optional."""
+        from .errors import CapabilityError
+
+        raise CapabilityError(f"{type(self).__name__} does not support read; use write")
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Fail whatever is in flight with `ClosedError` and release the link. Idempotent."""
+
+
+class TransportEngine(abc.ABC):
+    """One per process per backend: owns registrations, listeners and I/O threads."""
+
+    name: str
+    capabilities: Capabilities
+    engine_id: str  # unique per engine instance; peers see it in address() and descriptors
+
+    @abc.abstractmethod
+    def register(self, tensor: torch.Tensor) -> LocalRegion:
+        """Register a contiguous tensor's bytes once; overlapping memory is refused."""
+
+    @abc.abstractmethod
+    def deregister(self, region: LocalRegion) -> None:
+        """Forget a region. Idempotent."""
+
+    @abc.abstractmethod
+    def address(self) -> dict[str, Any]:
+        """Where peers connect to this engine: a plain msgpack-able dict."""
+
+    @abc.abstractmethod
+    def connect(self, peer_address: dict[str, Any]) -> Connection:
+        """Open (or reuse) a connection to the engine at `peer_address`."""
+
+    @abc.abstractmethod
+    def set_notify_handler(self, handler: NotifyHandler | None) -> None:
+        """Install the callback receiving notify payloads (None drops them)."""
+
+    @abc.abstractmethod
+    def drop_peer(self, engine_id: str) -> None:
+        """Fence a peer: close every inbound link from engine `engine_id`.
+
+        After this returns, no byte of any write that engine posted earlier
+        lands in our memory (in-progress receives are finished or cut off
+        first). This is what lets a receiver reuse entries of a request whose
+        sender stalled or died. The peer may connect again afterwards.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Fail in-flight work, stop threads, deregister everything. Idempotent; always returns."""
+
+    def __enter__(self) -> TransportEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

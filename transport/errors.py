@@ -1,0 +1,44 @@
+"""Transport failures, one class per cause.
+
+Callers branch on cause — retry a peer that was lost, fix the caller's segment
+table, raise a timeout — so each cause is its own class under `TransportError`,
+and every backend translates its native failure (socket errors, NIXL status
+codes, verbs completions) into one of these at its own edge with `from exc`.
+Nothing here is ever returned as a code.
+"""
+
+from __future__ import annotations
+
+from layout.errors import PdxferError
+
+
+class TransportError(PdxferError):
+    """Root of every transport failure."""
+
+
+class BoundsError(TransportError, ValueError):
+    """A segment or index names bytes outside the regions it addresses."""
+
+
+class RegistrationError(TransportError):
+    """Memory that cannot be registered, or a region that is not registered."""
+
+
+class CapabilityError(TransportError):
+    """The backend cannot do what was asked (e.g. CUDA memory over a host-only backend)."""
+
+
+class ProtocolError(TransportError):
+    """A malformed, oversized, unknown-type or wrong-version control frame."""
+
+
+class PeerLostError(TransportError, ConnectionError):
+    """The peer went away (connection reset, process died) before the work finished."""
+
+
+class TransferTimeout(TransportError, TimeoutError):
+    """A wait ran out before the transfer completed."""
+
+
+class ClosedError(TransportError):
+    """The engine or connection was closed while, or before, it was used."""

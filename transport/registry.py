@@ -1,0 +1,50 @@
+"""Backends by name, imported lazily.
+
+The one place that knows which backends exist. A backend whose import fails
+(NIXL not installed, no pyverbs) is simply absent from `available()`; asking
+for it by name raises `CapabilityError` carrying the import failure and the
+install hint, instead of an `ImportError` from somewhere inside.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .base import TransportEngine
+from .errors import CapabilityError
+
+# name -> (module, class, how to get it). Adding a backend is one line here.
+_BACKENDS: dict[str, tuple[str, str, str]] = {
+    "loopback": ("transport.loopback", "LoopbackEngine", "built in"),
+    "tcp": ("transport.tcp", "TcpEngine", "built in"),
+}
+
+
+def _load(name: str) -> type[TransportEngine]:
+    if name not in _BACKENDS:
+        raise CapabilityError(
+            f"unknown transport {name!r}; known: {', '.join(sorted(_BACKENDS))}"
+        )
+    module, cls, hint = _BACKENDS[name]
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as exc:
+        raise CapabilityError(f"transport {name!r} is not installed ({hint}): {exc}") from exc
+
+
+def available() -> list[str]:
+    """Names of the backends that import on this machine."""
+    out = []
+    for name in _BACKENDS:
+        try:
+            _load(name)
+        except CapabilityError:
+            continue
+        out.append(name)
+    return out
+
+
+def create(name: str, **options: Any) -> TransportEngine:
+    """A new engine of backend `name`, configured by keyword options."""
+    return _load(name)(**options)
