@@ -1,0 +1,419 @@
+"""A field declaration materialized: where the entry axis sits decides the arena.
+
+`EntryMajorArena` puts the entry axis outermost, so entry `i` starts at
+`i * slot_stride` and is one contiguous byte range: one `copy_` per checkpoint
+range, one registered range and one write per run of entries over RDMA. It
+still hands kernels the per-layer views they take today (`view(name)` →
+`[layers, entries, *shape]`), only with a larger slot stride.
+
+`LayerMajorArena` reads the same field list with the layer axis outermost:
+the shape paged KV pools have now, one layer's slice contiguous. An entry is
+then NOT contiguous, which is why there is no `entry(i)` and why shipping it
+costs one segment per field × layer × run. Deletion condition: once paged pools
+are block-major, `EntryMajorArena` serves them and this class goes.
+
+`SplitEntryMajorArena` covers a row space whose planes differ in width: a
+field is one strided tensor, so it lands in one plane (`plan_field_planes`
+picks which) and the split arena lets consumers ask for it by name.
+
+All arithmetic is `layout.fields`' one walk; this module only decides strides
+and who may write which bytes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from .errors import LayoutError
+from .fields import (
+    _ALIGN,
+    EntryField,
+    _require_int,
+    carve,
+    check_buffer,
+    checkpoint_ranges_for,
+    entry_bytes_for,
+    field_extents,
+    field_view,
+    strictest_align,
+)
+
+
+def _check_names(fields: Sequence[EntryField]) -> None:
+    for field in fields:
+        if not isinstance(field, EntryField):
+            raise LayoutError(f"fields must be EntryField, got {type(field).__name__}")
+    names = [f.name for f in fields]
+    if len(set(names)) != len(names):
+        dups = sorted({n for n in names if names.count(n) > 1})
+        raise LayoutError(f"duplicate field names {dups} in {names}; every field needs its own name")
+
+
+class EntryMajorArena:
+    """`entries` fixed-size entries, one `slot_stride` apart, each contiguous.
+
+    The stride is `entry_bytes` when the arena owns its buffer, and whatever
+    the caller says when it lives at the front of a slot in a shared plane.
+    Then `live_entries` (counted from the END of the index range, since a pool
+    that grows takes the next index down) says which entries are really the
+    caller's; nothing outside them is ever written, fills included.
+    """
+
+    kind = "entry_major"
+
+    def __init__(
+        self,
+        fields: list[EntryField],
+        entries: int,
+        device: torch.device | str | None,
+        buf: torch.Tensor | None = None,
+        slot_stride: int | None = None,
+        live_entries: int | None = None,
+    ) -> None:
+        # No fields is legal here (unlike `LayerMajorArena`): a plane is
+        # addressed by index and still costs its rows even when
+        # `plan_field_planes` leaves it empty.
+        self._setup(fields, entries, device, buf, slot_stride, live_entries,
+                    base_align=_ALIGN, fill=True)
+
+    def _setup(
+        self,
+        fields: Sequence[EntryField],
+        entries: int,
+        device: torch.device | str | None,
+        buf: torch.Tensor | None,
+        slot_stride: int | None,
+        live_entries: int | None,
+        *,
+        base_align: int,
+        fill: bool,
+    ) -> None:
+        """Shared by the page-major pools, which are this arena over a packed walk."""
+        _check_names(fields)
+        self.fields = list(fields)
+        self.entries = _require_int(entries, "entries")
+        self.base_align = base_align
+        self.entry_bytes = entry_bytes_for(self.fields, base_align=base_align)
+        self._align = strictest_align(self.fields, base_align=base_align)
+        if slot_stride is None:
+            slot_stride = self.entry_bytes
+        self.slot_stride = _require_int(slot_stride, "slot_stride")
+        if self.slot_stride < self.entry_bytes:
+            raise LayoutError(
+                f"slot stride {self.slot_stride} is under the {self.entry_bytes} B an "
+                f"entry takes; pass slot_stride >= {self.entry_bytes}"
+            )
+        if self.slot_stride % self._align:
+            raise LayoutError(
+                f"slot stride {self.slot_stride} must be a multiple of {self._align}, or "
+                "entries past the first fall off the boundary their field views retype from"
+            )
+        live = self.entries if live_entries is None else live_entries
+        self.live_entries = _require_int(live, "live_entries")
+        if self.live_entries > self.entries:
+            raise LayoutError(
+                f"live_entries {self.live_entries} outside 0..{self.entries}; it counts the "
+                "entries at the top of the index range this arena may write"
+            )
+        extents = list(field_extents(self.fields, base_align=base_align))
+        self._offsets = {f.name: start for f, start, _ in extents}
+        self._by_name = {f.name: f for f in self.fields}
+        self.checkpoint_ranges = checkpoint_ranges_for(self.fields, base_align=base_align)
+        want = self.total_bytes
+        if buf is None:
+            # Zeroed, not `empty`: padding lies outside every field view and
+            # an entry travels whole, so uninitialized padding would travel.
+            self.buf = torch.zeros(want, dtype=torch.uint8, device=device)
+        else:
+            # A carved buffer must already be zeroed for the same reason.
+            check_buffer(buf, want, self._align)
+            self.buf = buf
+        # Building every view validates every field against the buffer
+        # before anything is written.
+        views = {f.name: self.view(f.name) for f in self.fields}
+        if fill:
+            for f in self.fields:
+                views[f.name][:, self.first_live :].fill_(f.fill)
+
+    @property
+    def first_live(self) -> int:
+        """The lowest entry index this arena may write."""
+        return self.entries - self.live_entries
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the entries span, from the first to the end of the last (0 for none).
+
+        `entries * entry_bytes` only when the stride is the entry's own size;
+        with a wider stride the gaps belong to whoever shares the buffer, and
+        this counts them.
+        """
+        if not self.entries:
+            return 0
+        return (self.entries - 1) * self.slot_stride + self.entry_bytes
+
+    def _field(self, name: str) -> EntryField:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise LayoutError(
+                f"no field {name!r} in this arena; it has {list(self._by_name)}"
+            ) from None
+
+    def view(self, name: str) -> torch.Tensor:
+        """`[layers, entries, *shape]`: a drop-in for the standalone tensor.
+
+        Only the slot stride differs from a standalone allocation. Kernels
+        that take the slot stride as an argument are unaffected; one that
+        assumes contiguity is not, and has to be checked.
+        """
+        field = self._field(name)
+        return field_view(
+            self.buf,
+            field,
+            self.entries,
+            offset=self._offsets[name],
+            layer_stride=field.per_layer_bytes,
+            entry_stride=self.slot_stride,
+        )
+
+    def entry(self, index: int) -> torch.Tensor:
+        """One entry's whole state as a contiguous 1-D uint8 slice."""
+        try:
+            i = operator.index(index)
+        except TypeError:
+            i = None
+        if i is None or isinstance(index, bool) or not 0 <= i < self.entries:
+            raise LayoutError(f"entry index {index!r} outside 0..{self.entries - 1}")
+        start = i * self.slot_stride
+        return self.buf[start : start + self.entry_bytes]
+
+    def field_offset(self, name: str) -> int:
+        """Byte offset of a field from the start of an entry."""
+        self._field(name)
+        return self._offsets[name]
+
+
+class SplitEntryMajorArena:
+    """One request's state spread over the planes of a row space.
+
+    Every plane is an `EntryMajorArena` over the same slots (same `entries`
+    and `live_entries`, since a row index means one thing across planes). A
+    consumer asks for a field by name and never learns the plane. There is
+    deliberately no whole-entry accessor: what is contiguous is each plane's
+    part of a slot, which is what `plan_segments` ships, one table per plane.
+    """
+
+    kind = "split_entry_major"
+
+    def __init__(self, arenas: list[EntryMajorArena]) -> None:
+        if not arenas:
+            raise LayoutError("a split arena needs at least one plane")
+        for arena in arenas:
+            if type(arena) is not EntryMajorArena:
+                raise LayoutError(
+                    f"every plane must be an EntryMajorArena, got {type(arena).__name__}"
+                )
+        self.arenas = list(arenas)
+        first = self.arenas[0]
+        for p, arena in enumerate(self.arenas):
+            if (arena.entries, arena.live_entries) != (first.entries, first.live_entries):
+                raise LayoutError(
+                    f"plane {p} has {arena.entries} entries ({arena.live_entries} live) but "
+                    f"plane 0 has {first.entries} ({first.live_entries} live); the planes "
+                    "of one row space share their slots"
+                )
+        self._by_field: dict[str, EntryMajorArena] = {}
+        for arena in self.arenas:
+            for field in arena.fields:
+                if field.name in self._by_field:
+                    raise LayoutError(f"field {field.name!r} is in two planes")
+                self._by_field[field.name] = arena
+        self.entries = first.entries
+        self.live_entries = first.live_entries
+
+    @property
+    def fields(self) -> list[EntryField]:
+        """All fields, plane by plane, each plane in its declared order."""
+        return [f for arena in self.arenas for f in arena.fields]
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes one request's state takes, summed over the planes."""
+        return sum(a.entry_bytes for a in self.arenas)
+
+    def _arena(self, name: str) -> EntryMajorArena:
+        try:
+            return self._by_field[name]
+        except KeyError:
+            raise LayoutError(
+                f"no field {name!r} in this split arena; it has {list(self._by_field)}"
+            ) from None
+
+    def view(self, name: str) -> torch.Tensor:
+        """`[layers, entries, *shape]` of field `name`, from whichever plane holds it."""
+        return self._arena(name).view(name)
+
+    def field_offset(self, name: str) -> int:
+        """Bytes into the plane's slot where field `name` begins."""
+        return self._arena(name).field_offset(name)
+
+    def plane_of(self, name: str) -> int:
+        """Index of the plane holding field `name`."""
+        return self.arenas.index(self._arena(name))
+
+
+def plan_field_planes(
+    fields: list[EntryField], plane_row_bytes: list[int]
+) -> tuple[list[list[EntryField]], int]:
+    """Split fields across the planes of one row space, in the fewest rows.
+
+    Every plane materializes the same rows at its own width, so a slot of `r`
+    rows offers `r * plane_row_bytes[p]` bytes in plane `p`. Returns
+    `(per_plane_fields, rows)`. Exhaustive rather than greedy: `2^6` = 64
+    assignments for DeepSeek-V4, once at start-up, so the exact answer is
+    cheap. Ties go to the first assignment found (stable across runs); field
+    order inside a plane stays the declared order.
+    """
+    if not plane_row_bytes:
+        raise LayoutError("a row space needs at least one plane")
+    for p, width in enumerate(plane_row_bytes):
+        try:
+            _require_int(width, "width", minimum=1)
+        except LayoutError:
+            raise LayoutError(
+                f"plane {p} row width {width!r} B must be a positive integer; a plane of "
+                "width 0 holds nothing and cannot take a field"
+            ) from None
+    _check_names(fields)
+    num_planes = len(plane_row_bytes)
+    assignments = num_planes ** len(fields)
+    if assignments > 1 << 16:
+        raise LayoutError(
+            f"refusing to enumerate {assignments} assignments of {len(fields)} fields over "
+            f"{num_planes} planes (limit {1 << 16}); group fields before planning"
+        )
+    best: tuple[list[list[EntryField]], int] | None = None
+    for code in range(assignments):
+        groups: list[list[EntryField]] = [[] for _ in plane_row_bytes]
+        rest = code
+        for field in fields:
+            groups[rest % num_planes].append(field)
+            rest //= num_planes
+        rows = max(
+            -(-entry_bytes_for(group) // width) for group, width in zip(groups, plane_row_bytes, strict=True)
+        )
+        if best is None or rows < best[1]:
+            best = (groups, rows)
+    assert best is not None  # assignments >= 1: num_planes ** 0 == 1
+    return best
+
+
+class LayerMajorArena:
+    """The same fields with the layer axis outermost: today's paged-KV shape.
+
+    Field `f`'s region starts at its `field_extents` offset *times* `entries`
+    (the same walk, scaled by the axis that moved outside), with layer `l`,
+    entry `i` at `+ (l * entries + i) * per_layer_bytes`.
+
+    Fills only an allocation it owns: a caller's buffer may already hold KV
+    (an IPC-imported one does), so a non-zero fill over one is refused rather
+    than applied or dropped (a `-inf` score arriving as 0.0 turns "never
+    selected" into "always").
+    """
+
+    kind = "layer_major"
+
+    def __init__(
+        self,
+        fields: list[EntryField],
+        entries: int,
+        device: torch.device | str | None,
+        buf: torch.Tensor | None = None,
+    ) -> None:
+        if not fields:
+            raise LayoutError("a layer-major arena needs at least one field")
+        _check_names(fields)
+        self.fields = list(fields)
+        self.entries = _require_int(entries, "entries")
+        self.live_entries = self.entries
+        self.entry_bytes = entry_bytes_for(self.fields)
+        self._align = strictest_align(self.fields)
+        self._offsets = {f.name: start for f, start, _ in field_extents(self.fields)}
+        self._by_name = {f.name: f for f in self.fields}
+        want = self.total_bytes
+        if buf is None:
+            self.buf = torch.zeros(want, dtype=torch.uint8, device=device)
+            for field in self.fields:
+                self.view(field.name).fill_(field.fill)
+        else:
+            check_buffer(buf, want, self._align)
+            unfillable = [f.name for f in self.fields if f.fill]
+            if unfillable:
+                raise LayoutError(
+                    f"fields {unfillable} declare a non-zero fill, which an arena over a "
+                    "caller's buffer cannot apply; fill the buffer yourself and declare "
+                    "fill=0.0, or let the arena own its buffer"
+                )
+            self.buf = buf
+        for field in self.fields:
+            self.view(field.name)  # validates every field against the buffer
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the whole arena spans."""
+        return self.entry_bytes * self.entries
+
+    def region_offset(self, name: str) -> int:
+        """Byte offset of field `name`'s whole `[layers, entries, ...]` region."""
+        return self._offsets[self._field(name).name] * self.entries
+
+    def _field(self, name: str) -> EntryField:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise LayoutError(
+                f"no field {name!r} in this arena; it has {list(self._by_name)}"
+            ) from None
+
+    def view(self, name: str) -> torch.Tensor:
+        """`[layers, entries, *shape]`, the signature `EntryMajorArena` gives,
+        contiguous per layer, which is what the paged path binds."""
+        field = self._field(name)
+        return field_view(
+            self.buf,
+            field,
+            self.entries,
+            offset=self._offsets[name] * self.entries,
+            layer_stride=self.entries * field.per_layer_bytes,
+            entry_stride=field.per_layer_bytes,
+        )
+
+    def field_offset(self, name: str) -> int:
+        """Offset of field `name` in the entry walk (its region starts at this × entries)."""
+        return self._offsets[self._field(name).name]
+
+
+def carve_layer_major(
+    groups: list[list[EntryField]],
+    entries: int,
+    device: torch.device | str | None,
+    buf: torch.Tensor | None = None,
+) -> list[LayerMajorArena | None]:
+    """One layer-major arena per field group, packed into one allocation.
+
+    A paged pool is several groups laid out apart but bought together (a
+    block's cache, its scales, an indexer's keys). Each group starts on its
+    strictest field alignment, so its views retype; an empty group gets
+    `None`. `buf` is None for a pool that owns its memory.
+    """
+    _require_int(entries, "entries")
+    sizes = [entry_bytes_for(group) * entries for group in groups]
+    aligns = [strictest_align(group) for group in groups]
+    return [
+        LayerMajorArena(group, entries, device, buf=region) if group else None
+        for group, region in zip(groups, carve(buf, sizes, aligns), strict=True)
+    ]

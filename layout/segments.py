@@ -1,0 +1,309 @@
+"""Segment tables: which byte ranges ship a set of entries, as numpy arithmetic.
+
+What the transport consumes per request is a C-contiguous int64 `[n, 3]`
+table of `(src_offset, dst_offset, nbytes)`, offsets counted from the start
+of one registered buffer (`arena_buffers`) on each side. This module derives
+it from an arena and two index arrays, and nothing else does: a request
+names entries, never bytes.
+
+Everything is vectorised over the index arrays: one ordering by source
+(skipped when already sorted; an O(n) scatter for distinct sources in a dense
+index space, a stable argsort otherwise), one pass of run detection
+(`_merge`: a row joins the previous one when it is adjacent on BOTH sides,
+found with one comparison over the whole table and summed with
+`np.add.reduceat`). Python loops run over the handful of checkpoint ranges
+or fields only, never over entries or layers × entries.
+
+Validation (`check_indices`) happens before any planning, so a bad request
+is refused with the offending position and value, and no table — hence no
+write — is ever produced from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .arenas import EntryMajorArena, LayerMajorArena, SplitEntryMajorArena
+from .errors import LayoutError
+from .fields import _require_int
+
+_KINDS = "EntryMajorArena, SplitEntryMajorArena, LayerMajorArena, PageMajorMHAArena, PageMajorMambaArena"
+
+Arena = EntryMajorArena | SplitEntryMajorArena | LayerMajorArena
+
+
+def _empty() -> np.ndarray:
+    return np.empty((0, 3), dtype=np.int64)
+
+
+def _unknown(arena: object) -> LayoutError:
+    return LayoutError(f"{type(arena).__name__} is not an arena layout knows; it plans {_KINDS}")
+
+
+def arena_buffers(arena: Arena) -> list[torch.Tensor]:
+    """The uint8 buffers an arena's bytes live in: what a transport registers, once.
+
+    One per segment table `plan_segments` returns, in the same order.
+    """
+    if isinstance(arena, SplitEntryMajorArena):
+        return [plane.buf for plane in arena.arenas]
+    if isinstance(arena, (EntryMajorArena, LayerMajorArena)):
+        return [arena.buf]
+    raise _unknown(arena)
+
+
+def _index_space(arena: Arena) -> tuple[int, int]:
+    """`(entries, first_live)`: indices `first_live..entries-1` may be named."""
+    if isinstance(arena, (EntryMajorArena, SplitEntryMajorArena)):
+        return arena.entries, arena.entries - arena.live_entries
+    if isinstance(arena, LayerMajorArena):
+        return arena.entries, 0
+    raise _unknown(arena)
+
+
+def _as_indices(idx: object, what: str) -> np.ndarray:
+    """`idx` as a 1-D integer array (not yet range-checked), or `LayoutError`."""
+    if isinstance(idx, torch.Tensor):
+        idx = idx.detach().cpu().numpy()
+    try:
+        arr = np.asarray(idx)
+    except (TypeError, ValueError) as exc:
+        raise LayoutError(f"{what}s must be a 1-D integer array, got {type(idx).__name__}") from exc
+    if arr.ndim != 1:
+        raise LayoutError(f"{what}s must be a 1-D array, got shape {list(arr.shape)}")
+    if arr.size == 0:
+        # `np.asarray([])` is float64; an empty request is still a request.
+        return np.empty(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise LayoutError(
+            f"{what}s must be integers, got dtype {arr.dtype}; pass entry indices, "
+            "e.g. np.asarray(idx, dtype=np.int64)"
+        )
+    return arr
+
+
+def _check_range(arr: np.ndarray, first_live: int, entries: int, what: str) -> None:
+    if arr.size == 0:
+        return
+    lo, hi = arr.min(), arr.max()
+    if lo < 0:
+        pos = int(np.flatnonzero(arr < 0)[0])
+        raise LayoutError(
+            f"{what} {int(arr[pos])} at position {pos} is negative; entry indices count from 0"
+        )
+    if hi >= entries:
+        pos = int(np.flatnonzero(arr >= entries)[0])
+        raise LayoutError(
+            f"{what} {int(arr[pos])} at position {pos} is >= the {entries} entries; "
+            f"valid indices are 0..{entries - 1}"
+        )
+    if lo < first_live:
+        pos = int(np.flatnonzero(arr < first_live)[0])
+        raise LayoutError(
+            f"{what} {int(arr[pos])} at position {pos} is outside the live entries "
+            f"{first_live}..{entries - 1} ({entries - first_live} of {entries} live); "
+            f"entries below {first_live} belong to whoever shares the buffer"
+        )
+
+
+def _dense(arr: np.ndarray, space: int) -> bool:
+    # A bitmap over the index space beats a sort while the space is within a
+    # small multiple of the indices named; past that, sorting is cheaper.
+    return space <= 8 * arr.size + 4096
+
+
+def _check_unique(arr: np.ndarray, what: str, space: int) -> None:
+    # Strictly increasing (the common case) proves uniqueness without a sort.
+    if arr.size < 2 or bool(np.all(arr[1:] > arr[:-1])):
+        return
+    if _dense(arr, space):
+        seen = np.zeros(space, dtype=bool)
+        seen[arr] = True
+        if int(np.count_nonzero(seen)) == arr.size:
+            return
+    ordered = np.sort(arr)
+    same = np.flatnonzero(ordered[1:] == ordered[:-1])
+    if same.size:
+        value = int(ordered[same[0]])
+        count = int(np.count_nonzero(arr == value))
+        raise LayoutError(
+            f"{what} {value} appears {count} times; each destination entry may be written "
+            "once per transfer"
+        )
+
+
+def _source_order(src: np.ndarray, space: int) -> np.ndarray | None:
+    """Permutation sorting `src` ascending, or None when it already is.
+
+    Distinct sources in a dense index space sort by scattering positions into
+    a table indexed by entry (O(n), a few times faster than a comparison
+    sort); repeated sources fall back to a stable argsort.
+    """
+    if src.size < 2 or bool(np.all(src[1:] >= src[:-1])):
+        return None
+    if _dense(src, space):
+        pos = np.full(space, -1, dtype=np.int64)
+        pos[src] = np.arange(src.size, dtype=np.int64)
+        order = pos[pos >= 0]
+        if order.size == src.size:
+            return order
+    return np.argsort(src, kind="stable")
+
+
+def check_indices(
+    arena: Arena, idx: object, *, what: str = "index", unique: bool = False
+) -> np.ndarray:
+    """A validated int64 copy of `idx`, or `LayoutError` naming the position and value.
+
+    Exists so the receiving side can refuse its destination entries up front,
+    before it promises anything to a sender. Refuses non-1-D and non-integer
+    arrays, negative indices, indices `>= arena.entries`, indices below the
+    arena's live range, and (with `unique=True`) repeated indices.
+    """
+    arr = _as_indices(idx, what)
+    entries, first_live = _index_space(arena)
+    _check_range(arr, first_live, entries, what)
+    out = arr.astype(np.int64, copy=True)
+    if unique:
+        _check_unique(out, what, entries)
+    return out
+
+
+def _merge(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Rows (in table order) joined wherever a row continues the previous on both sides."""
+    if src.size == 0:
+        return _empty()
+    cont = (src[1:] == src[:-1] + nbytes[:-1]) & (dst[1:] == dst[:-1] + nbytes[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    out = np.empty((starts.size, 3), dtype=np.int64)
+    out[:, 0] = src[starts]
+    out[:, 1] = dst[starts]
+    out[:, 2] = nbytes[starts] if starts.size == src.size else np.add.reduceat(nbytes, starts)
+    return out
+
+
+def coalesce(table: np.ndarray) -> np.ndarray:
+    """`table` sorted by source with rows adjacent on both sides merged, empty rows dropped.
+
+    For callers that build or concatenate tables themselves; `plan_segments`
+    already returns coalesced tables. Refuses what is not an integer `[n, 3]`
+    table or has a negative length.
+    """
+    arr = np.asarray(table)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise LayoutError(
+            f"a segment table has shape [n, 3] (src_offset, dst_offset, nbytes), "
+            f"got {list(arr.shape)}"
+        )
+    if arr.shape[0] and arr.dtype.kind not in "iu":
+        raise LayoutError(f"a segment table holds integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    negative = np.flatnonzero(arr[:, 2] < 0)
+    if negative.size:
+        row = int(negative[0])
+        raise LayoutError(f"segment row {row} has negative nbytes {int(arr[row, 2])}")
+    arr = arr[arr[:, 2] > 0]
+    src = arr[:, 0]
+    if src.size > 1 and not bool(np.all(src[1:] >= src[:-1])):
+        arr = arr[np.lexsort((arr[:, 1], src))]
+    return _merge(arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy())
+
+
+def _plan_strided(
+    src: np.ndarray, dst: np.ndarray, stride: int, ranges: Sequence[tuple[int, int]]
+) -> np.ndarray:
+    """Entry `i`'s ranges at `i * stride + offset` on both sides, merged."""
+    ranges = [(o, n) for o, n in ranges if n > 0]
+    if not ranges or src.size == 0:
+        return _empty()
+    if len(ranges) == 1:
+        (off, n), = ranges
+        s = src * stride + off
+        d = dst * stride + off
+        nbytes = np.full(src.size, n, dtype=np.int64)
+    else:
+        offs = np.array([o for o, _ in ranges], dtype=np.int64)
+        s = (src[:, None] * stride + offs).ravel()
+        d = (dst[:, None] * stride + offs).ravel()
+        nbytes = np.tile(np.array([n for _, n in ranges], dtype=np.int64), src.size)
+    return _merge(s, d, nbytes)
+
+
+def _plan_layer_major(
+    arena: LayerMajorArena, src: np.ndarray, dst: np.ndarray, dst_entries: int, checkpoint: bool
+) -> np.ndarray:
+    """One row per field × layer × run of entries consecutive on both sides, merged."""
+    if src.size == 0:
+        return _empty()
+    cont = (src[1:] == src[:-1] + 1) & (dst[1:] == dst[:-1] + 1)
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    run_len = np.diff(np.append(starts, src.size))
+    run_src, run_dst = src[starts], dst[starts]
+    parts = []
+    for field in arena.fields:
+        nbytes = field.per_layer_bytes
+        if (checkpoint and not field.in_checkpoint) or not nbytes or not field.layers:
+            continue
+        offset = arena.field_offset(field.name)
+        layer = np.arange(field.layers, dtype=np.int64)[:, None]
+        s = offset * arena.entries + (layer * arena.entries + run_src) * nbytes
+        d = offset * dst_entries + (layer * dst_entries + run_dst) * nbytes
+        parts.append((s.ravel(), d.ravel(), np.tile(run_len * nbytes, field.layers)))
+    if not parts:
+        return _empty()
+    return _merge(*(np.concatenate(col) for col in zip(*parts, strict=True)))
+
+
+def plan_segments(
+    arena: Arena,
+    src_idx: object,
+    dst_idx: object,
+    *,
+    checkpoint: bool = False,
+    dst_entries: int | None = None,
+) -> list[np.ndarray]:
+    """Segment tables shipping entries `src_idx[k]` of `arena` to `dst_idx[k]` of its peer.
+
+    One table per buffer, in `arena_buffers` order; each covers exactly the
+    bytes of the named entries (only their `in_checkpoint` ranges with
+    `checkpoint=True`), merged where consecutive on both sides. The peer is
+    assumed to have the same format (equal `fingerprint`); `dst_entries` is
+    its entry count (default: ours), which places layer-major regions.
+
+    Refusals, all before any planning: non-1-D or non-integer indices,
+    unequal lengths, negative indices, sources outside this arena's live
+    range, destinations `>= dst_entries`, repeated destinations.
+    """
+    src = _as_indices(src_idx, "source index")
+    dst = _as_indices(dst_idx, "destination index")
+    if src.size != dst.size:
+        raise LayoutError(
+            f"{src.size} source indices but {dst.size} destination indices; pass one "
+            "destination entry per source entry"
+        )
+    entries, first_live = _index_space(arena)
+    dst_entries = entries if dst_entries is None else _require_int(dst_entries, "dst_entries")
+    _check_range(src, first_live, entries, "source index")
+    _check_range(dst, 0, dst_entries, "destination index")
+    src = src.astype(np.int64)
+    dst = dst.astype(np.int64)
+    _check_unique(dst, "destination index", dst_entries)
+    order = _source_order(src, entries)
+    if order is not None:
+        src, dst = src[order], dst[order]
+
+    if isinstance(arena, SplitEntryMajorArena):
+        return [
+            _plan_strided(src, dst, plane.slot_stride, _ranges(plane, checkpoint))
+            for plane in arena.arenas
+        ]
+    if isinstance(arena, LayerMajorArena):
+        return [_plan_layer_major(arena, src, dst, dst_entries, checkpoint)]
+    return [_plan_strided(src, dst, arena.slot_stride, _ranges(arena, checkpoint))]
+
+
+def _ranges(arena: EntryMajorArena, checkpoint: bool) -> list[tuple[int, int]]:
+    return arena.checkpoint_ranges if checkpoint else [(0, arena.entry_bytes)]
