@@ -5,7 +5,14 @@ buffer once, describe it to a peer once, then post whole segment tables
 (`[n, 3]` int64 `(src_offset, dst_offset, nbytes)`) as single transfers.
 """
 
-from .base import Capabilities, Connection, LocalRegion, NotifyHandler, TransferHandle, TransportEngine
+from .base import (
+    Capabilities,
+    Connection,
+    LocalRegion,
+    NotifyHandler,
+    TransferHandle,
+    TransportEngine,
+)
 from .errors import (
     BoundsError,
     CapabilityError,

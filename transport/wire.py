@@ -117,10 +117,9 @@ class Protocol:
     def unpack(self, payload: bytes) -> Any:
         """Decode one frame body (without its length prefix) into its message."""
         try:
-            env = msgpack.unpackb(
-                payload, raw=False, strict_map_key=True, use_list=True,
-                max_buffer_size=self.max_frame,
-            )
+            # No size limit argument here: unpackb takes none (that is an
+            # Unpacker option), and check_length has already bounded the body.
+            env = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
         except Exception as exc:  # msgpack raises several unrelated classes
             raise ProtocolError(f"undecodable {self.name} frame: {exc}") from exc
         if not isinstance(env, dict) or set(env) != _ENVELOPE_KEYS:
@@ -178,7 +177,7 @@ def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer") -> bytes:
     while got < nbytes:
         try:
             n = sock.recv_into(view[got:])
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             raise TransferTimeout(f"{what}: no data for {sock.gettimeout()} s") from exc
         except OSError as exc:
             raise PeerLostError(f"{what}: connection failed: {exc}") from exc

@@ -1,0 +1,222 @@
+"""`pdxfer bench transport`: transport throughput beside the baselines it must beat.
+
+Moves the same bytes (256 MiB by default) as 64 x 4 MiB, 4096 x 64 KiB and
+65,536 x 4 KiB segments, each in source order ("contiguous": row i goes to
+slot i — deliberately *not* merged into one row, so the per-segment cost
+shows) and with destination slots shuffled. Per case, in the same run:
+
+- `memcpy`: one `numpy.copyto` of the whole buffer — the ceiling for loopback;
+- `memcpy/seg`: one `numpy` slice copy per segment, single thread — what the
+  segment structure alone costs (glibc switches to non-temporal stores only
+  for very large copies, so the one-call figure can be out of reach of any
+  per-segment copy on some machines);
+- `loopback`: one `write` of the whole table between two loopback engines;
+- `raw socket`: one TCP connection over 127.0.0.1 moving each segment with
+  one `sendall` and one `recv_into` loop — what a naive socket transport does;
+- `tcp`: one `write` between two tcp engines (default stream count), and
+  `tcp 1 stream` to show what striping adds.
+
+Every figure is the median of `--reps` timed runs after one warm-up; the
+destination is zeroed before each run and its crc32 compared with the
+expected buffer's after it, so a run that moved the wrong bytes aborts the
+benchmark instead of printing a fast number. This is a benchmark, not a test:
+nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+import transport
+
+MiB = 1 << 20
+SEGMENTS = (4 * MiB, 64 * 1024, 4 * 1024)
+
+
+def _table(total: int, seg: int, shuffled: bool, rng: np.random.Generator) -> np.ndarray:
+    n = total // seg
+    slots = rng.permutation(n) if shuffled else np.arange(n)
+    return np.stack([np.arange(n) * seg, slots * seg, np.full(n, seg)], 1).astype(np.int64)
+
+
+def _copy_each(src: np.ndarray, dst: np.ndarray, table: np.ndarray) -> None:
+    for s, d, n in table.tolist():
+        dst[d:d + n] = src[s:s + n]
+
+
+def _expected_crc(src: np.ndarray, table: np.ndarray) -> int:
+    out = np.zeros_like(src)
+    _copy_each(src, out, table)
+    return zlib.crc32(out)
+
+
+def _measure(runs: dict[str, tuple[Callable[[], None], int]], dst: np.ndarray, reps: int) -> dict[str, float]:
+    """Median GB/s of each named run, every run verified by crc32 of the destination.
+
+    The methods take turns within each repetition rather than running their
+    reps back to back, so a burst of load from other processes on a shared
+    machine hits all of them alike and the ratios stay fair.
+    """
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(reps + 1):
+        for name, (run, crc) in runs.items():
+            dst[:] = 0
+            t0 = time.perf_counter()
+            run()
+            elapsed = time.perf_counter() - t0
+            got = zlib.crc32(dst)
+            if got != crc:
+                raise SystemExit(f"{name}: run {i} moved wrong bytes (crc32 {got:#x}, expected {crc:#x})")
+            if i:  # round 0 warms caches, page tables and connections
+                times[name].append(elapsed)
+    return {name: dst.size / statistics.median(t) / 1e9 for name, t in times.items()}
+
+
+class _RawPair:
+    """A plain TCP connection over 127.0.0.1: one sendall / recv_into loop per segment."""
+
+    def __init__(self) -> None:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            self.tx = socket.create_connection(server.getsockname())
+            self.rx, _ = server.accept()
+        for s in (self.tx, self.rx):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def move(self, src: np.ndarray, dst: np.ndarray, table: np.ndarray) -> None:
+        rows = table.tolist()
+        sview, dview = memoryview(src), memoryview(dst)
+
+        def send() -> None:
+            for s, _, n in rows:
+                self.tx.sendall(sview[s:s + n])
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        for _, d, n in rows:
+            got = 0
+            while got < n:
+                k = self.rx.recv_into(dview[d + got:d + n])
+                if k == 0:
+                    raise SystemExit("raw socket pair: peer closed")
+                got += k
+        sender.join()
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+
+
+class _EnginePair:
+    """Two engines of one backend with the benchmark buffers registered once."""
+
+    def __init__(self, backend: str, src: np.ndarray, dst: np.ndarray, **options: object) -> None:
+        self.tx = transport.create(backend, **options)
+        self.rx = transport.create(backend, **options)
+        self.local = self.tx.register(torch.from_numpy(src))
+        self.remote = self.rx.register(torch.from_numpy(dst)).descriptor()
+        self.conn = self.tx.connect(self.rx.address())
+
+    def move(self, table: np.ndarray) -> None:
+        self.conn.write(self.local, self.remote, table).wait(120)
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+
+
+def _runs(src: np.ndarray, dst: np.ndarray, table: np.ndarray, pairs: dict[str, _EnginePair],
+          raw: _RawPair | None) -> dict[str, tuple[Callable[[], None], int]]:
+    """Every method of one case, each with the crc32 its destination must end with."""
+    crc = _expected_crc(src, table)
+    runs: dict[str, tuple[Callable[[], None], int]] = {
+        "memcpy": (lambda: np.copyto(dst, src), zlib.crc32(src)),
+        "memcpy/seg": (lambda: _copy_each(src, dst, table), crc),
+    }
+    for label, pair in pairs.items():
+        runs[label] = (lambda p=pair: p.move(table), crc)
+    if raw is not None:
+        runs["raw socket"] = (lambda: raw.move(src, dst, table), crc)
+    return runs
+
+
+def run(total: int, reps: int, backends: list[str], out: Callable[[str], None]) -> None:
+    """Measure every case and print one markdown table."""
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, total, dtype=np.uint8)
+    dst = np.zeros(total, dtype=np.uint8)
+    columns = ["case", "memcpy", "memcpy/seg"]
+    pairs: dict[str, _EnginePair] = {}
+    raw = None
+    tcp_col = ""
+    try:
+        if "loopback" in backends:
+            pairs["loopback"] = _EnginePair("loopback", src, dst)
+            columns += ["loopback", "loopback/memcpy", "loopback/(memcpy/seg)"]
+        if "tcp" in backends:
+            raw = _RawPair()
+            pairs["tcp"] = _EnginePair("tcp", src, dst)
+            pairs["tcp 1 stream"] = _EnginePair("tcp", src, dst, streams=1)
+            tcp_col = f"tcp ({pairs['tcp'].tx.streams} streams)"
+            columns += ["raw socket", tcp_col, "tcp/raw", "tcp 1 stream"]
+        out("| " + " | ".join(columns) + " |")
+        out("|" + " --- |" * len(columns))
+        for seg in SEGMENTS:
+            for shuffled in (False, True):
+                table = _table(total, seg, shuffled, rng)
+                gbs = _measure(_runs(src, dst, table, pairs, raw), dst, reps)
+                name = f"{total // seg} x {_size(seg)} {'shuffled' if shuffled else 'contiguous'}"
+                row = {"case": name, **{k: f"{v:.2f}" for k, v in gbs.items()}}
+                if "loopback" in gbs:
+                    row["loopback/memcpy"] = f"{gbs['loopback'] / gbs['memcpy']:.2f}x"
+                    row["loopback/(memcpy/seg)"] = f"{gbs['loopback'] / gbs['memcpy/seg']:.2f}x"
+                if raw is not None:
+                    row[tcp_col] = row.pop("tcp")
+                    row["tcp/raw"] = f"{gbs['tcp'] / gbs['raw socket']:.2f}x"
+                out("| " + " | ".join(row.get(c, "") for c in columns) + " |")
+    finally:
+        for pair in pairs.values():
+            pair.close()
+        if raw is not None:
+            raw.close()
+
+
+def _size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // 1024} KiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `pdxfer bench transport`."""
+    parser = argparse.ArgumentParser(prog="pdxfer bench transport", description=__doc__.split("\n")[0])
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per case (MiB)")
+    parser.add_argument("--reps", type=int, default=5, help="timed runs per figure (median)")
+    parser.add_argument("--quick", action="store_true", help="32 MiB per case, for a smoke run")
+    parser.add_argument("--backends", default="loopback,tcp", help="comma-separated backends")
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
+    total = (32 if args.quick else args.total_mib) * MiB
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = set(backends) - {"loopback", "tcp"}
+    if unknown:
+        parser.error(f"unknown backends {sorted(unknown)}; choose from loopback, tcp")
+    print(f"# pdxfer bench transport: {total // MiB} MiB per case, median of {args.reps} runs, GB/s")
+    print(f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"python {platform.python_version()}, torch {torch.__version__}")
+    run(total, args.reps, backends, lambda line: print(line, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The `rig` fixture every conformance test runs through, once per available backend.
+
+A backend added to `transport.registry` (and importable here) is picked up by
+`transport.available()` and inherits the whole suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from transport_rig import Rig
+
+import transport
+
+
+@pytest.fixture(params=transport.available())
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    r = Rig(request.param)
+    try:
+        yield r
+    finally:
+        r.close()

@@ -1,0 +1,404 @@
+"""The one conformance suite: every test runs against every backend via the `rig` fixture.
+
+What it pins is the contract in docs/architecture.md: bytes land exactly
+where the table says and nowhere else; bad input is refused before a byte
+moves and leaves the connection usable; notify follows the data; concurrency
+and many small transfers work; a peer that stalls, closes, is dropped or is
+killed never hangs the waiting side.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from segment_tables import CANARY, assert_landed, random_table
+from transport_rig import DST_BYTES, SRC_BYTES, WAIT, Gate, Rig
+
+import transport
+from transport import (
+    BoundsError,
+    CapabilityError,
+    ClosedError,
+    PeerLostError,
+    ProtocolError,
+    RegistrationError,
+    TransferTimeout,
+)
+
+
+def test_builtin_backends_are_available() -> None:
+    assert {"loopback", "tcp"} <= set(transport.available())
+
+
+def test_unknown_backend_is_a_capability_error() -> None:
+    with pytest.raises(CapabilityError, match="unknown transport 'rdma'; known: loopback, tcp"):
+        transport.create("rdma")
+
+
+def test_capabilities_are_declared_and_honoured(rig: Rig) -> None:
+    caps = rig.tx.capabilities
+    assert isinstance(caps, transport.Capabilities) and caps.notify
+    assert caps.cross_process == (rig.backend != "loopback")
+    if not caps.read:
+        with pytest.raises(CapabilityError, match="does not support read"):
+            rig.conn.read(rig.src_region, rig.remote, _good())
+
+
+@pytest.mark.parametrize("rows,max_row", [(1, 3 << 20), (7, 300_000), (300, 9000), (2000, 700)])
+def test_random_tables_round_trip_with_checksums_and_canaries(rig: Rig, rows: int, max_row: int) -> None:
+    rng = np.random.default_rng(rows)
+    table = random_table(rng, SRC_BYTES, DST_BYTES, rows, max_row)
+    handle = rig.conn.write(rig.src_region, rig.remote, table)
+    assert handle.nbytes == int(table[:, 2].sum())
+    handle.wait(WAIT)
+    assert handle.poll() is True
+    assert_landed(rig.src, rig.dst, table)
+
+
+def test_empty_table_is_a_notify_only_transfer(rig: Rig) -> None:
+    handle = rig.conn.write(rig.src_region, rig.remote, np.zeros((0, 3), np.int64), notify=b"only")
+    handle.wait(WAIT)
+    assert handle.nbytes == 0
+    assert rig.wait_notes(1) == [(rig.tx.engine_id, b"only")]
+    assert (rig.dst == CANARY).all()
+
+
+def _good() -> np.ndarray:
+    # A row that would land if a backend moved rows before checking them all.
+    return np.array([[0, 1000, 5000]], np.int64)
+
+
+def _with(row: list[int]) -> np.ndarray:
+    return np.concatenate([_good(), np.array([row], np.int64)])
+
+
+BIG = np.iinfo(np.int64).max - 10
+BAD_TABLES = [
+    ("negative src offset", _with([-1, 0, 10]), BoundsError, "row 1 has negative src_offset -1"),
+    ("negative dst offset", _with([0, -8, 10]), BoundsError, "row 1 has negative dst_offset -8"),
+    ("zero-length row", _with([0, 0, 0]), BoundsError, "row 1 has nbytes 0"),
+    ("negative length", _with([0, 0, -5]), BoundsError, "row 1 has nbytes -5"),
+    ("past source end", _with([SRC_BYTES - 4, 0, 8]), BoundsError, rf"past the source region's end \({SRC_BYTES} B"),
+    ("past destination end", _with([0, DST_BYTES - 4, 8]), BoundsError, rf"past the destination region's end \({DST_BYTES} B"),
+    ("offset overflow", _with([0, BIG, 100]), BoundsError, "past the destination region's end"),
+    ("overlapping destinations", _with([0, 5999, 10]), BoundsError, r"destination rows 0 \[1000, 6000\) and 1 \[5999, 6009\) overlap"),
+    ("float dtype", _good().astype(np.float64), BoundsError, "dtype int64, got float64"),
+    ("wrong shape", _good()[:, :2].copy(), BoundsError, r"shape \[n, 3\].*got \[1, 2\]"),
+    ("not an array", [[0, 0, 10]], BoundsError, "numpy int64 array"),
+]
+
+
+@pytest.mark.parametrize("table,exc,match", [c[1:] for c in BAD_TABLES], ids=[c[0] for c in BAD_TABLES])
+def test_bad_table_refused_before_any_byte_and_connection_still_usable(
+    rig: Rig, table: np.ndarray, exc: type, match: str
+) -> None:
+    with pytest.raises(exc, match=match):
+        rig.conn.write(rig.src_region, rig.remote, table, notify=b"bad")
+    _assert_untouched_then_usable(rig)
+
+
+def _assert_untouched_then_usable(rig: Rig) -> None:
+    good = np.array([[0, 2 << 20, 4096]], np.int64)
+    rig.conn.write(rig.src_region, rig.remote, good, notify=b"good").wait(WAIT)
+    assert_landed(rig.src, rig.dst, good)  # ... and every byte outside it, incl. the bad rows', is canary
+    rig.wait_note(b"good")
+    assert b"bad" not in [p for _, p in rig.notes]
+
+
+def _bad_targets(rig: Rig) -> list[tuple[str, object, object, type, str]]:
+    d = rig.remote
+    gone = rig.tx.register(torch.zeros(16, dtype=torch.uint8))
+    rig.tx.deregister(gone)
+    return [
+        ("unknown region", rig.src_region, {**d, "region": d["region"] + 1000}, RegistrationError, f"no region {d['region'] + 1000}"),
+        ("stale length", rig.src_region, {**d, "length": d["length"] + 1}, RegistrationError, "stale"),
+        ("other engine", rig.src_region, rig.src_region.descriptor(), RegistrationError, "connect to the engine that registered"),
+        ("other backend", rig.src_region, {**d, "backend": "nixl"}, RegistrationError, "descriptor is for backend 'nixl'"),
+        ("not a descriptor", rig.src_region, [1, 2], RegistrationError, "must be a dict"),
+        ("deregistered local region", gone, d, RegistrationError, "was deregistered"),
+        ("foreign local region", rig.dst_region, d, RegistrationError, "was not registered with"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7), ids=[
+    "unknown region", "stale length", "other engine", "other backend", "not a descriptor",
+    "deregistered local region", "foreign local region",
+])
+def test_bad_region_refused_before_any_byte_and_connection_still_usable(rig: Rig, case: int) -> None:
+    _, local, remote, exc, match = _bad_targets(rig)[case]
+    with pytest.raises(exc, match=match):
+        rig.conn.write(local, remote, _good(), notify=b"bad")
+    _assert_untouched_then_usable(rig)
+
+
+@pytest.mark.parametrize("notify,match", [(b"x" * (64 * 1024 + 1), "exceeds 65536 B"), ("text", "must be bytes")])
+def test_bad_notify_refused_before_any_byte(rig: Rig, notify: object, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        rig.conn.write(rig.src_region, rig.remote, _good(), notify=notify)
+    _assert_untouched_then_usable(rig)
+
+
+def test_notify_arrives_after_all_data(rig: Rig) -> None:
+    table = random_table(np.random.default_rng(3), SRC_BYTES, DST_BYTES, 64, 60_000)
+    seen: list[BaseException | None] = []
+
+    def check(sender: str, payload: bytes) -> None:
+        try:
+            assert_landed(rig.src, rig.dst, table)
+            seen.append(None)
+        except AssertionError as exc:
+            seen.append(exc)
+
+    rig.on_notify = check
+    rig.conn.write(rig.src_region, rig.remote, table, notify=b"after").wait(WAIT)
+    # wait() returns only after the peer's handler has returned: no waiting here
+    assert rig.notes == [(rig.tx.engine_id, b"after")]
+    assert seen == [None], f"notify ran before the data landed: {seen}"
+
+
+def test_notify_handler_error_does_not_break_the_link(rig: Rig) -> None:
+    def boom(sender: str, payload: bytes) -> None:
+        raise RuntimeError("handler bug")
+
+    rig.on_notify = boom
+    rig.conn.write(rig.src_region, rig.remote, _good(), notify=b"1").wait(WAIT)
+    rig.on_notify = None
+    rig.refill()
+    _assert_untouched_then_usable(rig)
+
+
+def _slots(count: int, size: int, rows_each: int) -> list[np.ndarray]:
+    """`count` tables, each `rows_each` rows of `size` B into its own destination slot."""
+    rng = np.random.default_rng(count)
+    stride = (size + 32) * rows_each
+    out = []
+    for i in range(count):
+        dst = i * stride + np.arange(rows_each) * (size + 32)
+        src = rng.integers(0, SRC_BYTES - size, rows_each)
+        out.append(np.stack([src, dst, np.full(rows_each, size)], 1).astype(np.int64))
+    return out
+
+
+def test_100_concurrent_transfers_on_one_connection(rig: Rig) -> None:
+    tables = _slots(100, 20_000, 3)
+    handles = [rig.conn.write(rig.src_region, rig.remote, t, notify=b"%d" % i) for i, t in enumerate(tables)]
+    for h in handles:
+        h.wait(WAIT)
+    assert_landed(rig.src, rig.dst, np.concatenate(tables))
+    notes = rig.wait_notes(100)
+    assert sorted(int(p) for _, p in notes) == list(range(100))
+
+
+def test_1000_small_transfers(rig: Rig) -> None:
+    tables = _slots(1000, 64, 2)
+    handles = [rig.conn.write(rig.src_region, rig.remote, t) for t in tables]
+    for h in handles:
+        h.wait(WAIT)
+    assert_landed(rig.src, rig.dst, np.concatenate(tables))
+
+
+def _stall(rig: Rig) -> tuple[Gate, object, np.ndarray]:
+    """Stall the receiver in a notify handler, then post a 4 MiB transfer behind it."""
+    gate = Gate(b"stall")
+    rig.on_notify = gate
+    rig.conn.write(rig.src_region, rig.remote, _good(), notify=b"stall")
+    assert gate.entered.wait(WAIT)
+    big = np.array([[0, 4 << 20, 4 << 20]], np.int64)
+    return gate, rig.conn.write(rig.src_region, rig.remote, big, notify=b"big"), big
+
+
+def test_wait_times_out_while_peer_stalls(rig: Rig) -> None:
+    gate, handle, _ = _stall(rig)
+    try:
+        with pytest.raises(TransferTimeout, match=r"not complete after 0.2 s"):
+            handle.wait(0.2)
+        assert handle.poll() is False
+    finally:
+        gate.release()
+    handle.wait(WAIT)
+
+
+def test_peer_closed_mid_transfer_fails_with_peer_lost(rig: Rig) -> None:
+    gate, handle, big = _stall(rig)
+    closer = threading.Thread(target=rig.rx.close)
+    closer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PeerLostError):
+            handle.wait(10)
+        assert time.monotonic() - t0 < 10
+    finally:
+        gate.release()
+        closer.join(WAIT)
+    assert not closer.is_alive(), "receiver close() did not return"
+    assert b"big" not in [p for _, p in rig.notes]
+
+
+def test_drop_peer_fences_earlier_writes(rig: Rig) -> None:
+    gate, handle, big = _stall(rig)
+    try:
+        rig.rx.drop_peer(rig.tx.engine_id)
+        snapshot = rig.dst.copy()
+    finally:
+        gate.release()
+    with pytest.raises(PeerLostError):
+        handle.wait(WAIT)
+    time.sleep(0.2)  # give a broken fence time to let stray bytes in
+    assert np.array_equal(rig.dst, snapshot), "bytes landed after drop_peer returned"
+    assert b"big" not in [p for _, p in rig.notes]
+    # The dropped peer may connect again.
+    rig.refill()
+    conn = rig.tx.connect(rig.rx.address())
+    conn.write(rig.src_region, rig.remote, big).wait(WAIT)
+    assert_landed(rig.src, rig.dst, big)
+
+
+def test_drop_peer_from_inside_the_notify_handler_does_not_deadlock(rig: Rig) -> None:
+    returned = threading.Event()
+
+    def drop(sender: str, payload: bytes) -> None:
+        rig.rx.drop_peer(sender)  # on the backend's own I/O thread
+        returned.set()
+
+    rig.on_notify = drop
+    handle = rig.conn.write(rig.src_region, rig.remote, _good(), notify=b"drop")
+    assert returned.wait(WAIT), "drop_peer called from the notify handler never returned"
+    try:  # the data landed before the notify; whether the ack still got out is backend timing
+        handle.wait(WAIT)
+    except PeerLostError:
+        pass
+    assert_landed(rig.src, rig.dst, _good())
+
+
+def test_close_during_transfer_fails_in_flight_with_closed_error(rig: Rig) -> None:
+    gate, handle, _ = _stall(rig)
+    try:
+        rig.conn.close()
+        with pytest.raises(ClosedError):
+            handle.wait(5)
+        rig.conn.close()  # idempotent
+        with pytest.raises((ClosedError, PeerLostError)):
+            rig.conn.write(rig.src_region, rig.remote, _good())
+    finally:
+        gate.release()
+    # A fresh connection to the same peer works.
+    rig.on_notify = None
+    rig.refill()
+    rig.conn = rig.tx.connect(rig.rx.address())
+    _assert_untouched_then_usable(rig)
+
+
+def test_engine_close_is_idempotent_and_refuses_later_use(rig: Rig) -> None:
+    rig.tx.close()
+    rig.tx.close()
+    with pytest.raises(ClosedError):
+        rig.tx.register(torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises((ClosedError, PeerLostError)):
+        rig.conn.write(rig.src_region, rig.remote, _good())
+
+
+# -- registration -----------------------------------------------------------------
+
+def test_register_refuses_same_or_overlapping_memory(rig: Rig) -> None:
+    buf = torch.zeros(1024, dtype=torch.float32)
+    region = rig.tx.register(buf)
+    assert region.length == 4096 and region.device == "cpu"
+    with pytest.raises(RegistrationError, match="is already registered"):
+        rig.tx.register(buf)
+    with pytest.raises(RegistrationError, match=f"overlaps registered region {region.region_id}"):
+        rig.tx.register(buf[100:300])
+    rig.tx.deregister(region)
+    rig.tx.deregister(region)  # idempotent
+    again = rig.tx.register(buf[100:300])
+    assert again.region_id != region.region_id and again.length == 800
+
+
+@pytest.mark.parametrize("thing,match", [
+    (torch.zeros(4, 4)[:, 0], "non-contiguous"),
+    (torch.zeros(0), "empty tensor"),
+    (np.zeros(4), "takes a torch.Tensor"),
+])
+def test_register_refuses_what_it_cannot_address(rig: Rig, thing: object, match: str) -> None:
+    with pytest.raises(RegistrationError, match=match):
+        rig.tx.register(thing)
+
+
+def test_descriptor_and_address_are_plain_msgpack(rig: Rig) -> None:
+    desc = rig.dst_region.descriptor()
+    assert {"backend", "engine", "region", "length", "device"} <= set(desc)
+    assert desc["backend"] == rig.backend and desc["engine"] == rig.rx.engine_id
+    assert desc["length"] == DST_BYTES and desc["device"] == "cpu"
+    for obj in (desc, rig.rx.address()):
+        assert msgpack.unpackb(msgpack.packb(obj), strict_map_key=True) == obj
+    assert rig.rx.address()["engine"] == rig.rx.engine_id
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none on this machine")
+def test_cuda_round_trip(rig: Rig) -> None:
+    if not rig.tx.capabilities.cuda_memory:
+        pytest.skip(f"{rig.backend} declares cuda_memory=False")
+    gpu = torch.full((DST_BYTES,), CANARY, dtype=torch.uint8, device="cuda")
+    region = rig.rx.register(gpu)
+    table = random_table(np.random.default_rng(5), SRC_BYTES, DST_BYTES, 100, 30_000)
+    rig.conn.write(rig.src_region, region.descriptor(), table).wait(WAIT)
+    assert_landed(rig.src, gpu.cpu().numpy(), table)
+
+
+# -- a peer in another process ------------------------------------------------------
+
+PEER = Path(__file__).with_name("peer_proc.py")
+
+
+def _spawn_peer(backend: str, nbytes: int) -> tuple[subprocess.Popen, dict]:
+    child = subprocess.Popen(
+        [sys.executable, str(PEER), backend, str(nbytes)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )
+    ready, _, _ = select.select([child.stdout], [], [], 60)
+    line = child.stdout.readline() if ready else b""
+    if not line:
+        child.kill()
+        child.wait()
+        pytest.fail(f"peer process did not start (exit code {child.poll()})")
+    return child, msgpack.unpackb(bytes.fromhex(line.decode()))
+
+
+def test_peer_process_killed_mid_transfer_fails_waiter_within_bound(rig: Rig) -> None:
+    if not rig.tx.capabilities.cross_process:
+        pytest.skip(
+            f"{rig.backend} engines share one process, so there is no peer process to kill; "
+            "its peer loss is pinned by test_peer_closed_mid_transfer_fails_with_peer_lost"
+        )
+    child, info = _spawn_peer(rig.backend, 64 << 20)
+    try:
+        conn = rig.tx.connect(info["address"])
+        conn.write(rig.src_region, info["descriptor"], _good()).wait(WAIT)  # link is live
+        os.kill(child.pid, signal.SIGSTOP)  # frozen: 64 MiB cannot fit in socket buffers
+        rows = np.arange(16, dtype=np.int64) * (4 << 20)
+        table = np.stack([np.zeros(16, np.int64), rows, np.full(16, 4 << 20)], 1)
+        handle = conn.write(rig.src_region, info["descriptor"], table, notify=b"lost")
+        with pytest.raises(TransferTimeout):
+            handle.wait(0.5)  # a stalled peer is a timeout, not a hang
+        os.kill(child.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError):
+            handle.wait(10)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(PeerLostError):
+            conn.write(rig.src_region, info["descriptor"], _good())
+        with pytest.raises(PeerLostError, match="cannot connect"):
+            rig.tx.connect(info["address"])
+    finally:
+        child.kill()
+        child.wait()

@@ -1,0 +1,236 @@
+"""The tcp backend: real sockets between any two hosts, no RDMA needed.
+
+The engine owns a listener (127.0.0.1 unless told otherwise), the accept
+thread, the inbound streams it spawns (`tcp_recv`), and one cached outbound
+link per peer (`tcp_send`). Bytes go straight from registered source memory
+into `sendmsg` and straight out of `recvmsg_into` into the destination slice;
+the only copy is the pinned bounce that CUDA memory needs, because a socket
+reads and writes host memory only.
+
+Striping: a link is `streams` TCP connections to one peer (default: one per
+core, 2..8, the rule NCCL and Mooncake use for sockets) because one stream is
+bound to one core's worth of copying; a transfer's bytes are spread over them
+and its notify follows all of them.
+
+Threads block in `accept`, `recv` and `Condition.wait`; nothing polls. Close
+shuts sockets down, which wakes every one of those.
+
+Deliberately absent: `read` (pull), TLS and authentication — the data plane
+trusts the network it is bound to, which is why it binds to loopback by
+default; expose it on a cluster network only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from typing import Any
+
+import torch
+
+from .base import Capabilities, Connection, LocalRegion, NotifyHandler, TransportEngine
+from .errors import ClosedError, PeerLostError, ProtocolError, RegistrationError, TransportError
+from .regions import RegionTable
+from .tcp_recv import MAX_STREAMS, InboundStream, LinkState
+from .tcp_send import TcpConnection, tune
+
+log = logging.getLogger(__name__)
+
+
+def default_streams() -> int:
+    """One stream per core, at least 2 and at most 8."""
+    return min(8, max(2, os.cpu_count() or 2))
+
+
+class TcpEngine(TransportEngine):
+    """A tcp transport engine: listener, inbound streams and outbound striped links."""
+
+    name = "tcp"
+    capabilities = Capabilities(
+        cuda_memory=True, cuda_zero_copy=False, cross_process=True,
+        one_sided=False, notify=True, read=False,
+    )
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        streams: int | None = None,
+        *,
+        bounce_bytes: int = 8 << 20,
+        force_bounce: bool = False,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        """`force_bounce` routes host memory through the bounce buffer too: it
+        exists so the CUDA staging path is tested on machines without a GPU."""
+        streams = default_streams() if streams is None else streams
+        if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
+            raise TransportError(f"streams must be an int in 1..{MAX_STREAMS}, got {streams!r}")
+        if bounce_bytes < 4096:
+            raise TransportError(f"bounce_bytes must be at least 4096, got {bounce_bytes}")
+        self.engine_id = f"tcp-{uuid.uuid4().hex[:12]}"
+        self.streams = streams
+        self.bounce_bytes = bounce_bytes
+        self.force_bounce = force_bounce
+        self.pinned = torch.cuda.is_available()
+        self.connect_timeout = connect_timeout
+        self.regions = RegionTable(self.name, self.engine_id, cuda=True)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._handler: NotifyHandler | None = None
+        self._outbound: dict[str, TcpConnection] = {}
+        self._inbound: set[InboundStream] = set()
+        self._links: dict[str, LinkState] = {}
+        try:
+            self._listener = socket.create_server((host, port), backlog=128)
+        except OSError as exc:
+            raise TransportError(f"tcp engine cannot listen on {host}:{port}: {exc}") from exc
+        bound = self._listener.getsockname()
+        wildcard = host in ("", "0.0.0.0", "::")
+        self._host = socket.gethostname() if wildcard else bound[0]
+        self._port = bound[1]
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, daemon=True, name=f"tcp-accept {self._port}"
+        )
+        self._acceptor.start()
+
+    # -- memory -------------------------------------------------------------
+    def register(self, tensor: torch.Tensor) -> LocalRegion:
+        self._check_open()
+        return self.regions.register(tensor)
+
+    def deregister(self, region: LocalRegion) -> None:
+        self.regions.deregister(region)
+
+    # -- peers --------------------------------------------------------------
+    def address(self) -> dict[str, Any]:
+        return {"backend": self.name, "engine": self.engine_id, "host": self._host, "port": self._port}
+
+    def connect(self, peer_address: dict[str, Any]) -> Connection:
+        self._check_open()
+        addr = peer_address if isinstance(peer_address, dict) else {}
+        host, port, peer = addr.get("host"), addr.get("port"), addr.get("engine")
+        if (addr.get("backend") != self.name or not isinstance(host, str)
+                or not isinstance(peer, str) or isinstance(port, bool) or not isinstance(port, int)):
+            raise RegistrationError(
+                f"not a tcp address: {peer_address!r}; pass the peer engine's address() "
+                "(backend, engine, host, port)"
+            )
+        with self._lock:
+            conn = self._outbound.get(peer)
+            if conn is not None and conn.alive:
+                return conn
+        if conn is not None:
+            conn.close()  # a dead link: release its sockets and threads
+        fresh = TcpConnection(self, host, port, peer, self.streams)
+        with self._lock:
+            if self._closed:
+                closed = True
+            else:
+                closed = False
+                current = self._outbound.get(peer)
+                if current is not None and current.alive and current is not conn:
+                    # another thread connected meanwhile: keep one link per peer
+                    fresh, spare = current, fresh
+                else:
+                    spare = None
+                    self._outbound[peer] = fresh
+        if closed:
+            fresh.close()
+            raise ClosedError(f"tcp engine {self.engine_id} closed while connecting")
+        if spare is not None:
+            spare.close()
+        return fresh
+
+    def set_notify_handler(self, handler: NotifyHandler | None) -> None:
+        self._handler = handler
+
+    def _deliver(self, sender: str | None, payload: bytes) -> None:
+        handler = self._handler
+        if handler is None or self._closed or sender is None:
+            return
+        try:
+            handler(sender, payload)
+        except Exception:  # the handler is the caller's code; its bug must not kill the link
+            log.exception("notify handler raised for a payload from %s", sender)
+
+    def drop_peer(self, engine_id: str) -> None:
+        # Streams still in their handshake have no sender yet and have written
+        # nothing; if they belong to engine_id they form a new connection.
+        with self._lock:
+            streams = [s for s in self._inbound if s.sender == engine_id]
+        for stream in streams:
+            stream.fence()
+
+    # -- inbound bookkeeping (called by InboundStream) ----------------------
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError as exc:
+                if self._closed:
+                    return
+                log.warning("tcp engine %s: accept failed: %s", self.engine_id, exc)
+                continue
+            tune(sock)
+            stream = InboundStream(self, sock, f"{addr[0]}:{addr[1]}")
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                # tracked from accept, not from hello: close() must reach a
+                # stream still waiting for its handshake too
+                self._inbound.add(stream)
+            stream.start()
+
+    def _attach(self, stream: InboundStream, link: str, streams: int) -> LinkState:
+        with self._lock:
+            if self._closed:
+                raise PeerLostError(f"tcp engine {self.engine_id} is closing")
+            state = self._links.get(link)
+            if state is None:
+                state = self._links[link] = LinkState(streams)
+            if state.streams != streams:
+                raise ProtocolError(f"link {link} announced {streams} streams after {state.streams}")
+            state.refs += 1
+            stream.link = link
+            return state
+
+    def _detach(self, stream: InboundStream) -> None:
+        with self._lock:
+            if stream not in self._inbound:
+                return
+            self._inbound.discard(stream)
+            state = self._links.get(stream.link) if stream.link else None
+            if state is not None:
+                state.refs -= 1
+                if state.refs == 0:
+                    del self._links[stream.link]
+
+    # -- lifecycle ----------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"tcp engine {self.engine_id} is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            outbound = list(self._outbound.values())
+            inbound = list(self._inbound)
+            self._outbound.clear()
+        try:  # wakes the blocked accept() on Linux
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for stream in inbound:
+            stream.fence()
+        for conn in outbound:
+            conn.close()
+        self._acceptor.join(2.0)
+        self.regions.clear()
