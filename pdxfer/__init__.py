@@ -1,1 +1,58 @@
-"""PD engine (filled in by the engine work)."""
+"""The PD engine: a prefill sender and a decode receiver for disaggregated serving.
+
+What a serving engine links into its workers, in a page of code:
+
+    from pdxfer import PrefillEngine, DecodeEngine, EngineConfig, KVPoll
+
+    cfg = EngineConfig(transport="tcp", timeout=10.0)
+    prefill = PrefillEngine({"kv": kv_arena, "state": state_arena}, cfg)
+    # publish prefill.bootstrap_address to the router
+    decode = DecodeEngine({"kv": kv_arena, "state": state_arena}, cfg)
+    decode.expect(rid, prefill_addr, {"kv": dst_pages, "state": [dst_slot]})
+    prefill.send(rid, {"kv": src_pages, "state": [src_slot]})   # after the forward pass
+    decode.poll(rid) == KVPoll.Success                           # poll from the scheduler loop
+
+Both engines register each allocation once at start-up, describe their pools
+in the handshake (refusing a layout mismatch with the pool and field named),
+and ship one transfer per pool per request, planned by `layout`.
+"""
+
+from .config import EngineConfig, KVPoll, RequestStats
+from .decode import DecodeEngine
+from .errors import (
+    BoundsError,
+    CapabilityError,
+    ClosedError,
+    LayoutError,
+    LayoutMismatchError,
+    PdxferError,
+    PeerLostError,
+    ProtocolError,
+    RegistrationError,
+    RequestError,
+    RequestFailed,
+    TransferTimeout,
+    TransportError,
+)
+from .prefill import PrefillEngine
+
+__all__ = [
+    "BoundsError",
+    "CapabilityError",
+    "ClosedError",
+    "DecodeEngine",
+    "EngineConfig",
+    "KVPoll",
+    "LayoutError",
+    "LayoutMismatchError",
+    "PdxferError",
+    "PeerLostError",
+    "PrefillEngine",
+    "ProtocolError",
+    "RegistrationError",
+    "RequestError",
+    "RequestFailed",
+    "RequestStats",
+    "TransferTimeout",
+    "TransportError",
+]

@@ -1,0 +1,205 @@
+"""What the two example workers share: options, the readiness line, the run loop.
+
+A worker is started either as its own process (`python -m examples.prefill_worker`,
+`python -m examples.decode_worker`, possibly on two machines) or, for a
+transport that cannot span processes, as threads inside the launcher. Both
+ways construct the worker from one frozen `WorkerOptions`, so the command line
+is only a way of filling it in.
+
+A worker tells whoever started it that it is serving by printing ONE line to
+stdout, `READY_PREFIX` followed by a JSON object (role, RPC address, pid and,
+for prefill, the pdxfer bootstrap address); everything else a worker says goes
+to stderr. Port 0 is the default everywhere, so the readiness line is how a
+launcher learns the ports the kernel picked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import transport
+from pdxfer import EngineConfig, RequestError, RequestFailed
+from transport.errors import TransferTimeout
+
+from .caches import PoolSizes
+
+READY_PREFIX = "PDXFER_EXAMPLE_READY "
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Everything a worker is configured with; read by both worker kinds."""
+
+    host: str = "127.0.0.1"  # where the worker's RPC listener binds
+    port: int = 0
+    transport: str = "tcp"
+    device: str = "cpu"
+    sizes: PoolSizes = PoolSizes()
+    timeout: float = 10.0  # the pdxfer engine timeout; RPC waits are derived from it
+    bootstrap_port: int = 0  # prefill only: the pdxfer control listener
+    data_port: int = 0  # the transport's own listener (tcp: where peers push bytes)
+    verbose: bool = False
+
+    def engine_config(self) -> EngineConfig:
+        # Only a chosen port is passed on: port 0 is every backend's default,
+        # and a backend without a listener of its own may not take the option.
+        options = {"port": self.data_port} if self.data_port else {}
+        return EngineConfig(
+            transport=self.transport, host=self.host, port=self.bootstrap_port,
+            timeout=self.timeout, transport_options=options,
+        )
+
+    @property
+    def rpc_timeout(self) -> float:
+        """How long a worker waits for its peer's reply to one request.
+
+        Longer than the engine timeout on purpose: the engine notices a dead
+        or stalled transfer itself within `timeout`; this only bounds a peer
+        that is alive on the socket but never answers.
+        """
+        return 3 * self.timeout
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """The options both workers accept."""
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind the RPC (and, for prefill, pdxfer) listeners to")
+    parser.add_argument("--port", type=int, default=0, help="RPC port; 0 picks a free one")
+    parser.add_argument("--transport", default="tcp", help="pdxfer transport backend")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if present)")
+    parser.add_argument("--kv-pages", type=int, default=PoolSizes.kv_pages,
+                        help="pages in the paged-KV pool")
+    parser.add_argument("--state-entries", type=int, default=PoolSizes.state_entries,
+                        help="entries in the per-request state and aux pools")
+    parser.add_argument("--data-port", type=int, default=0,
+                        help="port of the transport's data listener (tcp: the decode side's "
+                        "is where prefill pushes cache bytes); 0 picks a free one")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds before a silent peer fails a request")
+    parser.add_argument("--verbose", action="store_true", help="log each request to stderr")
+    parser.add_argument("--die-with-parent", action="store_true",
+                        help="exit when stdin closes (the launcher uses this so that no "
+                        "worker outlives it, however it ends)")
+
+
+def cross_process(name: str) -> bool:
+    """Whether backend `name` connects separate processes (asked, not guessed)."""
+    engine = transport.create(name)
+    try:
+        return engine.capabilities.cross_process
+    finally:
+        engine.close()
+
+
+def options_from_args(args: argparse.Namespace, device: str) -> WorkerOptions:
+    """Options from a worker's command line; refuses a transport that cannot cross processes."""
+    if not cross_process(args.transport):
+        raise SystemExit(
+            f"error: transport {args.transport!r} cannot connect two processes, so a worker "
+            f"process cannot use it; `python -m examples.launch_pd --transport {args.transport}` "
+            "runs both workers in one process instead"
+        )
+    return WorkerOptions(
+        host=args.host, port=args.port, transport=args.transport, device=device,
+        sizes=PoolSizes(kv_pages=args.kv_pages, state_entries=args.state_entries),
+        timeout=args.timeout, bootstrap_port=getattr(args, "bootstrap_port", 0),
+        data_port=args.data_port, verbose=args.verbose,
+    )
+
+
+def logger(role: str, verbose: bool) -> Callable[[str], None]:
+    """A stderr logger; `verbose=False` keeps only lines marked as errors."""
+
+    def log(message: str, *, error: bool = False) -> None:
+        if verbose or error:
+            print(f"[{role} {os.getpid()}] {message}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def announce_ready(info: dict[str, Any]) -> None:
+    """The one stdout line a launcher waits for."""
+    print(READY_PREFIX + json.dumps(info, sort_keys=True), flush=True)
+
+
+def parse_ready(line: str) -> dict[str, Any] | None:
+    """The readiness info in `line`, or None if it is not the readiness line."""
+    if not line.startswith(READY_PREFIX):
+        return None
+    return json.loads(line[len(READY_PREFIX):])
+
+
+def serve_until_signalled(serve: Callable[[], None], close: Callable[[], None],
+                          die_with_parent: bool = False) -> int:
+    """Run `serve` in this (main) thread until SIGTERM/SIGINT, then `close`.
+
+    SIGTERM is turned into a clean exit so the pdxfer engine and the sockets
+    are closed by their own `close()` rather than by the kernel. With
+    `die_with_parent`, stdin reaching EOF counts as a SIGTERM: a launcher
+    holds the write end, and the kernel closes it however the launcher dies
+    (SIGKILL included), which no signal handler of the launcher could promise.
+    """
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    if die_with_parent:
+        def watch() -> None:
+            # The raw fd, not sys.stdin: a daemon thread parked inside a
+            # buffered reader's lock aborts interpreter shutdown.
+            while os.read(0, 4096):
+                pass
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    try:
+        serve()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        # close() in a thread of its own: a second signal must not interrupt it.
+        closer = threading.Thread(target=close)
+        closer.start()
+        closer.join()
+    return 0
+
+
+def check_prompt(prompt: object, vocab: int) -> list[int]:
+    """A request's prompt as token ids, or ValueError naming what is wrong."""
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"prompt must be a non-empty list of token ids, got {prompt!r:.60}")
+    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt holds {len(bad)} token(s) outside 0..{vocab - 1}, e.g. {bad[0]!r}")
+    return list(prompt)
+
+
+def abort_and_release(engine: Any, request_id: str, reason: str, timeout: float) -> bool:
+    """Abort a request and forget it once the engine has fenced it.
+
+    The engine finishes an aborted request asynchronously (it tells the peer
+    and waits for its ack, or fences it), and only then may the request's
+    entries be written by anyone else. Returns False when that did not happen
+    within `timeout`: the caller must then NOT reuse the entries, because
+    bytes of the aborted transfer could still land in them.
+    """
+    try:
+        engine.abort(request_id, reason)
+    except RequestError:
+        return True  # the engine never took it: nothing can land
+    try:
+        engine.wait(request_id, timeout=timeout)
+    except RequestFailed:
+        pass
+    except TransferTimeout:
+        return False
+    engine.release(request_id)
+    return True

@@ -1,0 +1,215 @@
+"""`pdxfer bench engine`: what the PD engine adds on top of the transport, per request.
+
+For requests of 16 KV pages + 1 state entry, per backend and per KV layout
+(entry-major vs layer-major), it measures:
+
+- `send us`: CPU the caller's thread spends in `PrefillEngine.send()` once
+  the decode's Expect is there, split into what it spends inside
+  `layout.plan_segments` (`plan`), inside the transport's `Connection.write`
+  (`write`), and the rest — validation, destination cursors, shifting tables
+  into registered regions, notify payloads, bookkeeping (`engine`). The
+  split is measured inside the same calls (the two functions are wrapped
+  with timers for the run), so all three share the same cache and core
+  contention;
+- `bare write us`: the same tables posted on a bare transport connection,
+  no engine, one `write` per pool;
+- `req/s`: end-to-end throughput with the engine (send through decode
+  Success and prefill Success) and with the bare transport (post through
+  completion), `--batch` requests in flight;
+- `segments`: segments per request, checked equal to the contiguous runs the
+  request names (entry-major: one per run of pages + one state entry;
+  layer-major: one per field x layer x run).
+
+CPU figures are the calling thread's `time.thread_time`, medians over all
+requests: on a machine whose cores are shared, wall time per call mostly
+measures who else held the GIL or the core. Throughput is wall clock. Pages
+are drawn at random (scattered, as a paged allocator hands them out) with a
+fixed seed, so runs repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+import layout
+import transport
+
+from .config import EngineConfig, KVPoll
+from .decode import DecodeEngine
+from .prefill import PrefillEngine
+
+PAGES = 16
+# A small model's page: 8 layers x 16 tokens x 2 heads x 64 dims fp16, K and V (64 KiB).
+KV_FIELDS = [
+    layout.EntryField("k", 8, (16, 2, 64), torch.float16),
+    layout.EntryField("v", 8, (16, 2, 64), torch.float16),
+]
+# A hybrid layer's recurrent state: conv window and SSM state per layer (~40 KiB).
+STATE_FIELDS = [
+    layout.EntryField("conv", 8, (3, 128), torch.bfloat16),
+    layout.EntryField("ssm", 8, (8, 128), torch.float32),
+]
+
+
+def _pools(kind: str, kv_entries: int, state_entries: int) -> dict[str, Any]:
+    kv_cls = layout.EntryMajorArena if kind == "entry-major" else layout.LayerMajorArena
+    return {"kv": kv_cls(KV_FIELDS, kv_entries, "cpu"),
+            "state": layout.EntryMajorArena(STATE_FIELDS, state_entries, "cpu")}
+
+
+def _requests(n: int, kv_entries: int, state_entries: int, seed: int) -> list[tuple[dict, dict]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        src = {"kv": rng.choice(kv_entries, PAGES, replace=False), "state": np.array([i % state_entries])}
+        dst = {"kv": rng.choice(kv_entries, PAGES, replace=False), "state": np.array([i % state_entries])}
+        out.append((src, dst))
+    return out
+
+
+def _runs(src: np.ndarray, dst: np.ndarray) -> int:
+    order = np.argsort(src, kind="stable")
+    s, d = src[order], dst[order]
+    return 1 + int(np.count_nonzero(~((s[1:] == s[:-1] + 1) & (d[1:] == d[:-1] + 1))))
+
+
+class _Timed:
+    """Accumulates the calling thread's CPU time spent inside a wrapped callable."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+
+    def wrap(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total += time.thread_time() - t
+        return timed
+
+
+def _bench_engine(backend: str, kind: str, reqs: list, batch: int) -> dict[str, Any]:
+    cfg = EngineConfig(transport=backend, timeout=30.0)
+    kv_n, st_n = 4096, 256
+    prefill = PrefillEngine(_pools(kind, kv_n, st_n), cfg)
+    decode = DecodeEngine(_pools(kind, kv_n, st_n), cfg)
+    rows, busy, segs = [], 0.0, []
+    plan, write = _Timed(), _Timed()
+    conn_cls = None
+    orig_plan = layout.plan_segments
+    layout.plan_segments = plan.wrap(orig_plan)  # what pools.Route.plan calls
+    try:
+        for start in range(0, len(reqs), batch):
+            chunk = list(enumerate(reqs[start:start + batch], start))
+            for i, (_, dst) in chunk:
+                decode.expect(f"r{i}", prefill.bootstrap_address, dst)
+            for i, _ in chunk:  # until the prefill has every Expect: time send() alone
+                while True:
+                    try:
+                        if prefill.poll(f"r{i}") is KVPoll.WaitingForInput:
+                            break
+                    except Exception:
+                        pass
+                    time.sleep(0.0002)
+            if conn_cls is None:
+                conn_cls = type(next(iter(prefill._sessions.values())).conn)
+                orig_write = conn_cls.write
+                conn_cls.write = write.wrap(orig_write)
+            t0 = time.perf_counter()
+            for i, (src, _) in chunk:
+                plan.total = write.total = 0.0
+                t = time.thread_time()
+                prefill.send(f"r{i}", src)
+                rows.append((time.thread_time() - t, plan.total, write.total))
+            for i, _ in chunk:
+                decode.wait(f"r{i}", 60.0)
+                prefill.wait(f"r{i}", 60.0)
+            busy += time.perf_counter() - t0
+            for i, _ in chunk:
+                segs.append(decode.stats(f"r{i}").segments)
+                decode.release(f"r{i}")
+                prefill.release(f"r{i}")
+    finally:
+        layout.plan_segments = orig_plan
+        if conn_cls is not None:
+            conn_cls.write = orig_write
+        decode.close()
+        prefill.close()
+
+    def med(k: int) -> float:
+        return statistics.median(r[k] for r in rows) * 1e6
+
+    own = statistics.median(r[0] - r[1] - r[2] for r in rows) * 1e6
+    return {"send_us": med(0), "plan_us": med(1), "write_us": med(2), "own_us": own,
+            "rps": len(reqs) / busy, "segments": segs}
+
+
+def _bench_transport(backend: str, kind: str, reqs: list, batch: int) -> dict[str, float]:
+    kv_n, st_n = 4096, 256
+    src, dst = _pools(kind, kv_n, st_n), _pools(kind, kv_n, st_n)
+    a, b = transport.create(backend), transport.create(backend)
+    try:
+        local = {p: a.register(layout.arena_buffers(arena)[0]) for p, arena in src.items()}
+        remote = {p: b.register(layout.arena_buffers(arena)[0]).descriptor() for p, arena in dst.items()}
+        conn = a.connect(b.address())
+        plans, posts, busy = [], [], 0.0
+        tables = []
+        for s, d in reqs:
+            t = time.thread_time()
+            per = {p: layout.plan_segments(src[p], s[p], d[p], dst_entries=dst[p].entries)[0] for p in s}
+            plans.append(time.thread_time() - t)
+            tables.append(per)
+        for start in range(0, len(tables), batch):
+            handles = []
+            t0 = time.perf_counter()
+            for per in tables[start:start + batch]:
+                t = time.thread_time()
+                for p, table in per.items():
+                    handles.append(conn.write(local[p], remote[p], table))
+                posts.append(time.thread_time() - t)
+            for h in handles:
+                h.wait(60.0)
+            busy += time.perf_counter() - t0
+        segs = [sum(len(t) for t in per.values()) for per in tables]
+    finally:
+        a.close()
+        b.close()
+    return {"plan_us": statistics.median(plans) * 1e6, "post_us": statistics.median(posts) * 1e6,
+            "rps": len(reqs) / busy, "segments": segs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print one markdown table."""
+    parser = argparse.ArgumentParser(prog="pdxfer bench engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=2000, help="requests per configuration")
+    parser.add_argument("--batch", type=int, default=200, help="requests in flight per batch")
+    parser.add_argument("--backends", default=",".join(transport.available()),
+                        help="comma-separated transports (default: all available)")
+    args = parser.parse_args(argv)
+    reqs = _requests(args.requests, 4096, 256, seed=0)
+    print(f"requests of {PAGES} KV pages ({layout.entry_bytes_for(KV_FIELDS) // 1024} KiB each) + 1 state "
+          f"entry ({layout.entry_bytes_for(STATE_FIELDS) // 1024} KiB); {args.requests} requests, "
+          f"{args.batch} in flight; medians per request")
+    print()
+    print("| backend | kv layout | segments | send us | plan us | write us | engine us "
+          "| bare write us | engine req/s | bare transport req/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for backend in args.backends.split(","):
+        for kind in ("entry-major", "layer-major"):
+            eng = _bench_engine(backend, kind, reqs, args.batch)
+            raw = _bench_transport(backend, kind, reqs, args.batch)
+            per_field = 1 if kind == "entry-major" else sum(f.layers for f in KV_FIELDS)
+            want = [_runs(s["kv"], d["kv"]) * per_field + 1 for s, d in reqs]
+            if eng["segments"] != want or raw["segments"] != want:
+                raise SystemExit(f"{backend}/{kind}: segments per request differ from contiguous runs")
+            print(f"| {backend} | {kind} | {statistics.median(want):.0f} | {eng['send_us']:.1f} "
+                  f"| {eng['plan_us']:.1f} | {eng['write_us']:.1f} | {eng['own_us']:.1f} "
+                  f"| {raw['post_us']:.1f} | {eng['rps']:.0f} | {raw['rps']:.0f} |")
+    return 0

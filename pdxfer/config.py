@@ -1,0 +1,101 @@
+"""What a caller configures and what it reads back: `EngineConfig`, `KVPoll`, `RequestStats`.
+
+These three are the vocabulary a serving engine's worker speaks to us in, so
+they sit apart from any machinery: a worker imports them to build a config or
+branch on a poll result without pulling in sockets or threads.
+
+`KVPoll` keeps SGLang's numbering on purpose (Failed=0 ... Success=4): a
+worker ported from SGLang's `KVPoll` compares the same integers and its
+scheduler's `poll == KVPoll.Success` checks keep working.
+
+Every timing knob derives from one number, `timeout`, unless the caller sets
+it explicitly; the derivation is written once, here, in `EngineConfig`'s
+properties, and the engines ask for it rather than recomputing it.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class KVPoll(enum.IntEnum):
+    """Where a request stands; the values are SGLang's so ported code compares the same ints."""
+
+    Failed = 0
+    Bootstrapping = 1  # no peer for it yet: handshake running, or the other side has not spoken
+    WaitingForInput = 2  # both sides know it; waiting for prefill to send
+    Transferring = 3  # bytes are in flight
+    Success = 4  # every byte of every chunk through the last has landed
+
+    @property
+    def finished(self) -> bool:
+        """Success or Failed: the request's entries belong to the caller again."""
+        return self in (KVPoll.Success, KVPoll.Failed)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine reaches its peers and how long it waits for them.
+
+    `timeout` bounds every wait on a peer: a handshake, a request that makes no
+    progress (no expect, no chunk landing), a control link that stays silent.
+    A dead or stalled peer therefore fails its requests within about
+    `timeout + abort_grace` seconds. Serving deployments whose prefill queue
+    can hold a request longer than that raise it; tests lower it.
+    """
+
+    transport: str = "tcp"
+    host: str = "127.0.0.1"
+    port: int = 0  # the prefill side's control listener; 0 picks a free port
+    timeout: float = 10.0
+    transport_options: Mapping[str, Any] = field(default_factory=dict)
+    heartbeat_interval: float | None = None  # None: timeout / 4
+    abort_grace: float | None = None  # None: min(1 s, timeout / 2)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.transport, str) or not self.transport:
+            raise ValueError(f"EngineConfig.transport must be a backend name, got {self.transport!r}")
+        if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
+            raise ValueError(f"EngineConfig.port must be 0..65535, got {self.port!r}")
+        for name in ("timeout", "heartbeat_interval", "abort_grace"):
+            value = getattr(self, name)
+            if value is None and name != "timeout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive number of seconds, got {value!r}")
+        # Frozen means frozen: a dict the caller keeps could change under us.
+        object.__setattr__(self, "transport_options", types.MappingProxyType(dict(self.transport_options)))
+
+    @property
+    def heartbeat(self) -> float:
+        """Seconds between pings on an idle control link."""
+        return self.heartbeat_interval if self.heartbeat_interval is not None else self.timeout / 4
+
+    @property
+    def grace(self) -> float:
+        """How long an aborting side waits for the peer's ack before fencing it."""
+        return self.abort_grace if self.abort_grace is not None else min(1.0, self.timeout / 2)
+
+    def __hash__(self) -> int:  # the mapping proxy is unhashable; hash what identifies the config
+        options = tuple(sorted((k, repr(v)) for k, v in self.transport_options.items()))
+        return hash((self.transport, self.host, self.port, self.timeout, options,
+                     self.heartbeat_interval, self.abort_grace))
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """What one request cost: bytes moved, segments and transfers posted, seconds it took.
+
+    On the decode side the counts come from the prefill's notify payloads —
+    decode posts nothing itself — so both sides report the same numbers.
+    `elapsed_s` runs from `send`/`expect` to the finish (or to now if running).
+    """
+
+    nbytes: int
+    segments: int
+    transfers: int
+    elapsed_s: float

@@ -1,0 +1,241 @@
+"""An engine's pools: registered once per allocation, described once, planned per request.
+
+Registration is by *allocation*, not by pool. Pools carved out of one buffer
+(`layout.carve`, a unified pool whose page/state boundary moves) share bytes,
+and registering each pool's buffer would register the same memory twice —
+which transports refuse as overlapping, and which is a known failure of
+existing PD connectors. So every arena buffer is traced back to the storage it
+lives in, each storage is registered once — as a uint8 tensor over the span
+its pools cover, so bytes of the allocation that no pool owns are never
+exposed to a peer — and a buffer is addressed as `(region, shift)`: its
+offset inside that region. The layout planner's offsets count from the buffer, so a request's
+table is shifted by the constant `shift` with one vectorised add per column.
+
+Everything per-pool that a request would otherwise recompute (which region,
+which shift, which remote descriptor, whether the source needs a
+live-entries check) is worked out when a peer's handshake arrives and held in
+a `Route`; per request only `plan_segments`, the shift and the post remain.
+
+Pool compatibility is decided here too (`mismatch`), once, for both sides: the
+fingerprints of the format must agree pool by pool, and the first difference
+is reported in `layout.describe_diff`'s words with the pool named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+import layout
+from transport.base import LocalRegion, TransportEngine
+from transport.errors import ProtocolError, RegistrationError
+
+from .errors import LayoutMismatchError, RequestError
+
+
+def _storage_span(buf: torch.Tensor) -> tuple[str, int, int, Any]:
+    storage = buf.untyped_storage()
+    start = int(storage.data_ptr())
+    return str(buf.device), start, start + int(storage.nbytes()), storage
+
+
+def _whole(storage: Any, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over every byte of `storage`, to slice the registered span from."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+class PoolSet:
+    """Every pool of one engine with its registrations and its self-description."""
+
+    def __init__(self, pools: Mapping[str, Any], engine: TransportEngine) -> None:
+        if not isinstance(pools, Mapping) or not pools:
+            raise RequestError("pools must be a non-empty mapping of name -> arena")
+        for name in pools:
+            if not isinstance(name, str) or not name:
+                raise RequestError(f"pool names must be non-empty str, got {name!r}")
+        self.arenas: dict[str, Any] = dict(pools)
+        self.descs = {name: layout.describe(a) for name, a in self.arenas.items()}
+        self.fingerprints = {name: layout.fingerprint(d) for name, d in self.descs.items()}
+        self.entries = {name: int(d["entries"]) for name, d in self.descs.items()}
+        # Sources need check_indices only where live_entries narrows the range:
+        # plan_segments already refuses negatives and indices past `entries`.
+        self.narrowed = {name: int(d["live_entries"]) < int(d["entries"])
+                         for name, d in self.descs.items()}
+        self.regions: list[LocalRegion] = []
+        self.buffers: dict[str, list[tuple[int, int]]] = {}
+        self._register(engine)
+
+    def _register(self, engine: TransportEngine) -> None:
+        bufs = {name: layout.arena_buffers(a) for name, a in self.arenas.items()}
+        spans = {}
+        for tensors in bufs.values():
+            for buf in tensors:
+                if not buf.numel():
+                    continue  # an empty plane: nothing to address, nothing to register
+                device, start, end, storage = _storage_span(buf)
+                key = (device, start)
+                if key not in spans or spans[key][1] < end:
+                    spans[key] = (buf.device, end, storage)
+        # Distinct storages with identical bytes (two from_numpy views of one
+        # array) collapse by key; a storage inside another is addressed inside
+        # the outer one; a partial overlap cannot be registered at all.
+        ordered = sorted(spans.items(), key=lambda kv: (kv[0][0], kv[0][1]))
+        outer: list[tuple[str, int, int, Any, Any]] = []
+        for (device, start), (dev, end, storage) in ordered:
+            if outer and outer[-1][0] == device and start < outer[-1][2]:
+                if end <= outer[-1][2]:
+                    continue
+                raise RegistrationError(
+                    f"pool storages [{outer[-1][1]:#x}, {outer[-1][2]:#x}) and "
+                    f"[{start:#x}, {end:#x}) partially overlap; carve the pools out of one "
+                    "allocation instead"
+                )
+            outer.append((device, start, end, dev, storage))
+        # Register the span the pools cover inside each allocation, not the whole
+        # storage: bytes of it that no pool owns are never exposed to a peer.
+        spans_in = [[None, None] for _ in outer]
+        placed: dict[str, list[tuple[int, int]]] = {}
+        for name, tensors in bufs.items():
+            placed[name] = []
+            for buf in tensors:
+                if not buf.numel():
+                    placed[name].append((-1, 0))
+                    continue
+                device, ptr = str(buf.device), int(buf.data_ptr())
+                i = next(k for k, o in enumerate(outer) if o[0] == device and o[1] <= ptr < o[2])
+                lo, hi = spans_in[i]
+                spans_in[i] = [ptr if lo is None else min(lo, ptr),
+                               ptr + buf.numel() if hi is None else max(hi, ptr + buf.numel())]
+                placed[name].append((i, ptr))
+        try:
+            for (_, start, _, dev, storage), (lo, hi) in zip(outer, spans_in, strict=True):
+                whole = _whole(storage, dev)
+                self.regions.append(engine.register(whole[lo - start:hi - start]))
+        except BaseException:
+            for region in self.regions:
+                engine.deregister(region)
+            raise
+        self.buffers = {name: [(i, ptr - spans_in[i][0]) if i >= 0 else (i, 0) for i, ptr in bufs_]
+                        for name, bufs_ in placed.items()}
+
+    def hello_fields(self) -> dict[str, Any]:
+        """What a Hello (decode) says about these pools: descriptions, buffers, regions."""
+        return {
+            "pools": self.descs,
+            "fingerprints": self.fingerprints,
+            "buffers": {n: [list(p) for p in b] for n, b in self.buffers.items()},
+            "regions": [r.descriptor() for r in self.regions],
+        }
+
+
+def mismatch(prefill: tuple[dict, dict], decode: tuple[dict, dict]) -> str | None:
+    """Why a prefill's and a decode's pools cannot exchange bytes, or None if they can.
+
+    Each argument is `(descriptions, fingerprints)` by pool name. Both sides
+    call this with the same argument order, so both word a refusal alike.
+    """
+    p_descs, p_fps = prefill
+    d_descs, d_fps = decode
+    if set(p_descs) != set(d_descs):
+        only_p = sorted(set(p_descs) - set(d_descs))
+        only_d = sorted(set(d_descs) - set(p_descs))
+        return (f"pool names differ: prefill only {only_p}, decode only {only_d}; "
+                "both sides must declare the same pools")
+    for name in sorted(p_descs):
+        if p_fps.get(name) != d_fps.get(name):
+            diff = layout.describe_diff(p_descs[name], d_descs[name])
+            return (f"pool {name!r}: {diff or 'layout fingerprints differ'} "
+                    "(prefill vs decode); build both pools from the same declaration")
+    return None
+
+
+def layout_error(reason: str) -> LayoutMismatchError:
+    return LayoutMismatchError(f"layout mismatch, refused before any write: {reason}")
+
+
+class Route:
+    """One pool of ours to the same pool of one peer: everything a request reuses.
+
+    `groups` holds, per (local region, remote region) pair, the buffer indices
+    that pair serves and their shifts — normally one group per pool, so a
+    request posts one transfer per pool; planes living in separate
+    allocations need one transfer each.
+    """
+
+    __slots__ = ("arena", "dst_entries", "groups", "single")
+
+    def __init__(self, pools: PoolSet, name: str, remote_buffers: Any,
+                 remote_regions: list[dict], remote_entries: int) -> None:
+        local = pools.buffers[name]
+        if not isinstance(remote_buffers, list) or len(remote_buffers) != len(local):
+            raise ProtocolError(
+                f"pool {name!r}: peer describes {remote_buffers!r} buffers, we have {len(local)}"
+            )
+        self.arena = pools.arenas[name]
+        self.dst_entries = remote_entries
+        grouped: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for b, ((lr, ls), rb) in enumerate(zip(local, remote_buffers, strict=True)):
+            ok = (isinstance(rb, list) and len(rb) == 2 and all(type(v) is int for v in rb)
+                  and (0 <= rb[0] < len(remote_regions) and rb[1] >= 0 and lr >= 0
+                       or rb == [-1, 0] and lr == -1))
+            if not ok:
+                raise ProtocolError(f"pool {name!r}: malformed remote buffer entry {rb!r}")
+            if lr >= 0:  # an empty buffer plans empty tables: it needs no route
+                grouped.setdefault((lr, rb[0]), []).append((b, ls, rb[1]))
+        self.groups = [
+            (pools.regions[lr], remote_regions[rr], [m[0] for m in members],
+             [m[1] for m in members], [m[2] for m in members])
+            for (lr, rr), members in grouped.items()
+        ]
+        # The common case, kept branch-free per request: one buffer, one pair.
+        self.single = None
+        if len(local) == 1 and self.groups:
+            g = self.groups[0]
+            self.single = (g[0], g[1], g[3][0], g[4][0])
+
+    def plan(self, src: np.ndarray, dst: np.ndarray,
+             checkpoint: bool) -> list[tuple[LocalRegion, dict, np.ndarray]]:
+        """`(local region, remote descriptor, table)` per transfer, empty tables dropped."""
+        tables = layout.plan_segments(self.arena, src, dst, checkpoint=checkpoint,
+                                      dst_entries=self.dst_entries)
+        if self.single is not None:
+            region, remote, ls, rs = self.single
+            table = tables[0]
+            if not table.shape[0]:
+                return []
+            if ls:
+                table[:, 0] += ls
+            if rs:
+                table[:, 1] += rs
+            return [(region, remote, table)]
+        out = []
+        for region, remote, members, lshifts, rshifts in self.groups:
+            parts = []
+            for b, ls, rs in zip(members, lshifts, rshifts, strict=True):
+                table = tables[b]
+                if table.shape[0]:
+                    if ls:
+                        table[:, 0] += ls
+                    if rs:
+                        table[:, 1] += rs
+                    parts.append(table)
+            if parts:
+                out.append((region, remote, parts[0] if len(parts) == 1 else np.concatenate(parts)))
+        return out
+
+
+def peer_routes(pools: PoolSet, peer_pools: Any, peer_buffers: Any,
+                peer_regions: Any) -> dict[str, Route]:
+    """A `Route` per pool from a peer's Hello (already found compatible), or `ProtocolError`."""
+    if not isinstance(peer_buffers, dict) or not isinstance(peer_regions, list):
+        raise ProtocolError("peer buffers must be a dict and regions a list")
+    routes = {}
+    for name in pools.arenas:
+        entries = peer_pools[name].get("entries")
+        if type(entries) is not int or entries < 0:
+            raise ProtocolError(f"pool {name!r}: the peer's entry count is {entries!r}")
+        routes[name] = Route(pools, name, peer_buffers.get(name), peer_regions, entries)
+    return routes

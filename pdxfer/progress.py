@@ -1,0 +1,123 @@
+"""The one background thread of an engine: control sockets, queued commands, timers.
+
+Every socket an engine owns (the prefill's listener, every control link) is
+non-blocking and served here, through one `selectors` loop, so an engine
+costs one thread however many peers it talks to. Public calls on other
+threads never touch a socket: they queue a command (`call`) and wake the loop
+through a socketpair, and the loop runs it in order with everything else.
+That keeps socket state single-threaded and makes "abort tells the peer at
+once" mean: at the loop's next turn, microseconds later.
+
+Time-driven work (deadlines, heartbeats, abort grace) runs in `tick`, which
+the owner supplies and which says when it wants to run next; between ticks
+the thread sleeps in `select` — there is no busy-spinning anywhere.
+
+A handler that raises is logged and the loop carries on: one malformed peer
+or one bug in a callback must not take down every other request's progress.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("pdxfer")
+
+# Ticks never sleep longer than this, so a changed deadline is seen within it
+# even if the owner under-reports its next wake-up.
+_MAX_SLEEP = 0.25
+
+
+class Progress:
+    """A selector loop on its own thread, with a command queue and a tick."""
+
+    def __init__(self, name: str, tick: Callable[[float], float]) -> None:
+        self._tick = tick
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, self._drain)
+        self._commands: collections.deque[tuple[Callable[..., Any], tuple]] = collections.deque()
+        self._stopping = False
+        self._next_tick = 0.0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the progress thread, soon, in call order."""
+        self._commands.append((fn, args))
+        self.wake()
+
+    def wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # full: a wake-up is already pending; closed: we are stopping
+
+    def tick_soon(self) -> None:
+        """Ask for a tick at the loop's next turn (a deadline moved closer)."""
+        self._next_tick = 0.0
+        self.wake()
+
+    def _drain(self, _mask: int) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _run(self) -> None:
+        while not self._stopping:
+            timeout = max(0.0, min(self._next_tick - time.monotonic(), _MAX_SLEEP))
+            try:
+                events = self.selector.select(timeout)
+            except OSError:  # a socket closed under select; its owner already knows
+                events = []
+            for key, mask in events:
+                self._guard(key.data, mask)
+            while self._commands:
+                fn, args = self._commands.popleft()
+                self._guard(fn, *args)
+            now = time.monotonic()
+            if now >= self._next_tick:
+                try:
+                    self._next_tick = now + max(0.001, self._tick(now))
+                except Exception:
+                    log.exception("pdxfer progress tick failed")
+                    self._next_tick = now + _MAX_SLEEP
+
+    @staticmethod
+    def _guard(fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("pdxfer progress handler %r failed", fn)
+
+    def stop(self, timeout: float) -> None:
+        """Run what is queued, stop the loop and join it (bounded); idempotent."""
+        self._stopping = True
+        self.wake()
+        if not self.on_thread:
+            self._thread.join(timeout)
+        # Commands queued after the last turn still run, here, so none is lost —
+        # unless the thread is stuck, when running them here would race it.
+        while self._commands and not self._thread.is_alive():
+            fn, args = self._commands.popleft()
+            self._guard(fn, *args)
+        for sock in (self._wake_r, self._wake_w):
+            sock.close()
+        try:
+            self.selector.close()
+        except Exception:
+            pass

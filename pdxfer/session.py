@@ -1,0 +1,234 @@
+"""Control links: framed, non-blocking sockets between a prefill and a decode engine.
+
+A `Link` is one TCP connection carrying `protocol.CONTROL` frames. It lives on
+its engine's progress thread (`progress.Progress`): reads arrive as selector
+events and are cut into frames incrementally; writes go out immediately when
+the socket takes them and are buffered (with a write-interest registration)
+when it does not, so no control message ever blocks the loop.
+
+A link records when it last heard from and spoke to its peer; the owning
+engine's tick turns those into heartbeats (`Ping`) and into "silent for
+longer than the timeout" — the stall detector that catches a peer whose
+process is alive but stopped (SIGSTOP, a hung host) where EOF never comes.
+
+A link that goes wrong in any way — EOF, reset, a malformed or oversized
+frame, a handshake that does not finish — is closed exactly once, with a
+reason, and the owner's `on_close` decides what that means for its requests.
+The wire's `ErrorMessage` is sent before hanging up on a peer that spoke
+nonsense, so the other side's log says why.
+
+Also here: parsing a bootstrap address (`host:port`), since both sides agree
+on its spelling.
+"""
+
+from __future__ import annotations
+
+import errno
+import selectors
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from transport.errors import ProtocolError
+from transport.wire import LENGTH, ErrorMessage
+
+from .errors import RequestError
+from .progress import Progress
+from .protocol import CONTROL
+
+_READ_CHUNK = 256 * 1024
+# Bytes read per readiness event before yielding to other sockets: one busy
+# peer must not starve the rest of the loop.
+_READ_BUDGET = 4 << 20
+
+
+def parse_address(addr: object) -> tuple[str, int]:
+    """`(host, port)` from `"host:port"` (or `"[v6]:port"`), or `RequestError` saying why not."""
+    if not isinstance(addr, str) or ":" not in addr:
+        raise RequestError(f"prefill address must be 'host:port', got {addr!r}")
+    host, _, port_text = addr.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise RequestError(f"prefill address must be 'host:port' with a port 1..65535, got {addr!r}")
+    return host, int(port_text)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Link:
+    """One control connection, owned by a progress thread."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        progress: Progress,
+        label: str,
+        on_message: Callable[[Link, Any], None],
+        on_close: Callable[[Link, str], None],
+        *,
+        connecting: bool = False,
+    ) -> None:
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        self.sock = sock
+        self.label = label
+        self.owner: Any = None  # the session this link serves, set by the engine
+        self._progress = progress
+        self._on_message = on_message
+        self._on_close = on_close
+        self._in = bytearray()
+        self._out = bytearray()
+        self.connecting = connecting
+        self.closed = False
+        self.close_reason: str | None = None
+        now = time.monotonic()
+        self.opened = now
+        self.last_rx = now
+        self.last_tx = now
+        self._events = 0
+        self._update_interest()
+
+    # -- opening ----------------------------------------------------------
+    @classmethod
+    def dial(cls, host: str, port: int, progress: Progress, label: str,
+             on_message: Callable[[Link, Any], None],
+             on_close: Callable[[Link, str], None]) -> Link:
+        """Start a non-blocking connect; frames sent meanwhile go out once it completes."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            err = sock.connect_ex((host, port))
+        except OSError:  # a name that does not resolve: nothing to keep open
+            sock.close()
+            raise
+        link = cls(sock, progress, label, on_message, on_close, connecting=True)
+        if err not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN):
+            link.close(f"cannot connect to {label}: {errno.errorcode.get(err, err)}")
+        return link
+
+    # -- sending ----------------------------------------------------------
+    def send(self, msg: Any) -> None:
+        """Queue one message; written now if the socket takes it. A closed link drops it."""
+        if self.closed:
+            return
+        self._out += CONTROL.pack(msg)
+        self.last_tx = time.monotonic()
+        if not self.connecting:
+            self._flush()
+
+    def _flush(self) -> None:
+        while self._out:
+            try:
+                n = self.sock.send(self._out)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self.close(f"control link to {self.label} failed while sending: {exc}")
+                return
+            del self._out[:n]
+        self._update_interest()
+
+    # -- receiving --------------------------------------------------------
+    def _on_event(self, mask: int) -> None:
+        if self.closed:
+            return
+        if self.connecting:
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self.close(f"cannot connect to {self.label}: {errno.errorcode.get(err, err)}")
+                return
+            self.connecting = False
+            self._flush()
+            return
+        if mask & selectors.EVENT_WRITE:
+            self._flush()
+        if mask & selectors.EVENT_READ and not self.closed:
+            self._read()
+
+    def _read(self) -> None:
+        budget = _READ_BUDGET
+        while budget > 0:
+            try:
+                data = self.sock.recv(_READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self.close(f"control link to {self.label} failed: {exc}")
+                return
+            if not data:
+                self.close(f"{self.label} closed the control link")
+                return
+            self._in += data
+            budget -= len(data)
+            if len(data) < _READ_CHUNK:
+                break
+        self.last_rx = time.monotonic()
+        self._parse()
+
+    def _parse(self) -> None:
+        head = LENGTH.size
+        while len(self._in) >= head and not self.closed:
+            (length,) = LENGTH.unpack_from(self._in)
+            try:
+                CONTROL.check_length(length)
+                if len(self._in) < head + length:
+                    return
+                msg = CONTROL.unpack(bytes(self._in[head:head + length]))
+            except ProtocolError as exc:
+                self.refuse(str(exc))
+                return
+            del self._in[:head + length]
+            if isinstance(msg, ErrorMessage):
+                self.close(f"{self.label} hung up: {msg.reason}")
+                return
+            self._on_message(self, msg)
+
+    # -- closing ----------------------------------------------------------
+    def refuse(self, reason: str) -> None:
+        """Tell the peer why (best effort) and hang up."""
+        self.send(ErrorMessage(reason))
+        self.close(f"protocol error from {self.label}: {reason}")
+
+    def close(self, reason: str) -> None:
+        """Close once; the owner's `on_close(link, reason)` runs exactly once."""
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        if self._out and not self.connecting:
+            try:  # best effort: a farewell frame (Abort, ErrorMessage) is worth one try
+                self.sock.send(self._out)
+            except OSError:
+                pass
+        self._out.clear()
+        if self._events:
+            try:
+                self._progress.selector.unregister(self.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+        self.sock.close()
+        self._on_close(self, reason)
+
+    def _update_interest(self) -> None:
+        if self.closed:
+            return
+        want = selectors.EVENT_READ
+        if self.connecting or self._out:
+            want |= selectors.EVENT_WRITE
+        if self.connecting:
+            want = selectors.EVENT_WRITE
+        if want == self._events:
+            return
+        sel = self._progress.selector
+        if self._events:
+            sel.modify(self.sock, want, self._on_event)
+        else:
+            sel.register(self.sock, want, self._on_event)
+        self._events = want

@@ -1,0 +1,72 @@
+"""The PD example end to end: real worker processes, real ports, checked output.
+
+Two launcher runs as subprocesses (each starts two worker processes, so these
+are the slow tests of this directory, ~10 s each on two cores): the normal
+run must print its figures and "outputs identical"; a run whose prefill
+worker is SIGKILLed mid-demo must report the failed requests, exit non-zero
+within a bounded time, and leave no worker behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _launch(*args: str, timeout: float = 100.0) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.launch_pd", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+    return proc, time.monotonic() - started
+
+
+def _worker_pids(stdout: str) -> list[int]:
+    return [int(p) for p in re.findall(r"worker pid (\d+)", stdout)]
+
+
+def _assert_gone(pids: list[int]) -> None:
+    assert len(pids) == 2
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"worker {pid} outlived the launcher")
+
+
+def test_demo_over_tcp_matches_the_single_process_run() -> None:
+    proc, _ = _launch("--transport", "tcp", "--requests", "3", "--prompt-len", "16",
+                      "--gen-len", "4")
+    out = proc.stdout + "\n--- stderr ---\n" + proc.stderr
+    assert proc.returncode == 0, out
+    rows = re.findall(r"^(req-\d+)\s+([\d,]+)\s+(\d+)\s+(\d+)\s+([\d.]+) ms\s+identical", out, re.M)
+    assert [r[0] for r in rows] == ["req-0", "req-1", "req-2"], out
+    for _, nbytes, segments, layer_major, _ms in rows:
+        assert int(nbytes.replace(",", "")) > 0
+        assert 0 < int(segments) < int(layer_major)
+    assert "outputs identical: all 3 requests match" in out
+    _assert_gone(_worker_pids(out))
+
+
+def test_killed_prefill_worker_fails_requests_instead_of_hanging() -> None:
+    proc, elapsed = _launch("--transport", "tcp", "--requests", "4", "--prompt-len", "8",
+                            "--gen-len", "2", "--timeout", "3", "--kill-prefill-after", "1")
+    out = proc.stdout + "\n--- stderr ---\n" + proc.stderr
+    assert proc.returncode == 1, out
+    assert re.search(r"^req-0 .* identical", out, re.M), out
+    # req-1 may have finished before the kill landed; the ones after cannot have.
+    for rid in ("req-2", "req-3"):
+        assert re.search(rf"^{rid} .*FAILED: .*prefill worker", out, re.M), out
+    assert re.search(r"^FAILED: [234] of 4 requests failed", out, re.M), out
+    assert "outputs identical" not in out
+    assert "prefill worker killed by SIGKILL" in out
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    _assert_gone(_worker_pids(out))

@@ -1,0 +1,126 @@
+"""The public surface: what `pdxfer` exports, the config and result types, the wire messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import struct
+
+import numpy as np
+import pytest
+from pdxfer_testkit import BACKENDS, build_pools, config
+
+import pdxfer
+from pdxfer import DecodeEngine, EngineConfig, KVPoll, PrefillEngine, RequestStats
+from pdxfer.protocol import (
+    CONTROL,
+    Expect,
+    Landed,
+    Ping,
+    decode_notify,
+    encode_notify,
+    landed_payload,
+    pack_indices,
+    unpack_indices,
+)
+from pdxfer.session import parse_address
+from transport.errors import ProtocolError, TransferTimeout
+from transport.wire import LENGTH
+
+
+def test_public_api_is_pinned() -> None:
+    assert pdxfer.__all__ == [
+        "BoundsError", "CapabilityError", "ClosedError", "DecodeEngine", "EngineConfig", "KVPoll",
+        "LayoutError", "LayoutMismatchError", "PdxferError", "PeerLostError", "PrefillEngine",
+        "ProtocolError", "RegistrationError", "RequestError", "RequestFailed", "RequestStats",
+        "TransferTimeout", "TransportError",
+    ]
+    for name in pdxfer.__all__:
+        assert getattr(pdxfer, name) is not None
+    for method in ("send", "poll", "wait", "failure_reason", "abort", "stats", "release", "close"):
+        assert callable(getattr(PrefillEngine, method))
+    for method in ("expect", "poll", "wait", "failure_reason", "abort", "stats", "release", "close"):
+        assert callable(getattr(DecodeEngine, method))
+
+
+def test_kvpoll_keeps_sglang_numbering() -> None:
+    assert [(p.name, int(p)) for p in KVPoll] == [
+        ("Failed", 0), ("Bootstrapping", 1), ("WaitingForInput", 2), ("Transferring", 3), ("Success", 4)]
+    assert KVPoll.Success.finished and KVPoll.Failed.finished and not KVPoll.Transferring.finished
+
+
+def test_config_is_frozen_and_validated() -> None:
+    cfg = EngineConfig(transport="tcp", host="127.0.0.1", port=0, timeout=10.0, transport_options={"streams": 2})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.timeout = 1.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        cfg.transport_options["streams"] = 4  # type: ignore[index]
+    assert hash(cfg) == hash(EngineConfig(transport="tcp", transport_options={"streams": 2}))
+    assert cfg.heartbeat == 2.5 and cfg.grace == 1.0
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        EngineConfig(timeout=0)
+    with pytest.raises(ValueError, match="port must be 0..65535"):
+        EngineConfig(port=70000)
+    stats = RequestStats(1, 2, 3, 0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.nbytes = 0  # type: ignore[misc]
+
+
+def test_fast_notify_payload_matches_the_wire_protocol_byte_for_byte() -> None:
+    msg = Landed("req-é", 2**40, 3, 1, 2, True, 123456789, 17)
+    payload = landed_payload(*(getattr(msg, f.name) for f in dataclasses.fields(msg)))
+    assert payload == encode_notify(msg)
+    assert decode_notify(payload) == msg
+    with pytest.raises(ProtocolError, match="expected 'landed'"):
+        decode_notify(CONTROL.pack(Ping())[LENGTH.size:])
+
+
+def test_control_messages_decode_strictly() -> None:
+    frame = CONTROL.pack(Expect("r", 1, {"kv": pack_indices(np.array([3, 1, 2]))}))
+    msg = CONTROL.unpack(frame[LENGTH.size:])
+    assert unpack_indices(msg.indices["kv"], "kv").tolist() == [3, 1, 2]
+    with pytest.raises(ProtocolError, match="multiple of 8"):
+        unpack_indices(b"1234567", "kv")
+    with pytest.raises(ProtocolError, match="indices must be int64 bytes"):
+        unpack_indices([1, 2], "kv")
+
+
+def test_bootstrap_addresses() -> None:
+    assert parse_address("10.0.0.1:5000") == ("10.0.0.1", 5000)
+    assert parse_address("[::1]:7") == ("::1", 7)
+    for bad in ("host", "host:0", "host:x", ":80", 5):
+        with pytest.raises(pdxfer.RequestError, match="host:port"):
+            parse_address(bad)
+
+
+def test_wait_times_out_while_running(pair) -> None:
+    prefill, decode, _, _ = pair
+    decode.expect("w", prefill.bootstrap_address, {"kv": [1]})
+    with pytest.raises(TransferTimeout, match="still .* after 0.05 s"):
+        decode.wait("w", 0.05)
+    assert decode.poll("w") in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
+    assert decode.failure_reason("w") is None
+
+
+def test_garbage_on_the_bootstrap_port_is_refused_and_serving_continues(pair) -> None:
+    prefill, decode, _, _ = pair
+    host, port = parse_address(prefill.bootstrap_address)
+    with socket.create_connection((host, port), timeout=5) as junk:
+        junk.sendall(struct.pack("!I", 0xFFFFFFF0) + b"x" * 16)
+        junk.settimeout(5)
+        reply = b""
+        while chunk := junk.recv(4096):  # the prefill explains and hangs up
+            reply += chunk
+        assert b"exceeds" in reply
+    decode.expect("ok", prefill.bootstrap_address, {"kv": [1]})
+    prefill.send("ok", {"kv": [2]})
+    assert decode.wait("ok", 10) is KVPoll.Success
+
+
+@pytest.mark.parametrize("pre,dec", [(a, b) for a in BACKENDS for b in BACKENDS if a != b])
+def test_different_transports_are_refused_in_the_handshake(pre, dec) -> None:
+    with PrefillEngine(build_pools(16, 4), config(pre)) as prefill, \
+            DecodeEngine(build_pools(16, 4), config(dec)) as decode:
+        decode.expect("t", prefill.bootstrap_address, {"kv": [1]})
+        with pytest.raises(pdxfer.RequestFailed, match=f"decode uses transport '{dec}', this prefill '{pre}'"):
+            decode.wait("t", 10)
