@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ConfigError
+
 
 class KVPoll(enum.IntEnum):
     """Where a request stands; the values are SGLang's so ported code compares the same ints."""
@@ -58,15 +60,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.transport, str) or not self.transport:
-            raise ValueError(f"EngineConfig.transport must be a backend name, got {self.transport!r}")
+            raise ConfigError(f"EngineConfig.transport must be a backend name, got {self.transport!r}")
         if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
-            raise ValueError(f"EngineConfig.port must be 0..65535, got {self.port!r}")
+            raise ConfigError(f"EngineConfig.port must be 0..65535, got {self.port!r}")
         for name in ("timeout", "heartbeat_interval", "abort_grace"):
             value = getattr(self, name)
             if value is None and name != "timeout":
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"EngineConfig.{name} must be a positive number of seconds, got {value!r}")
+                raise ConfigError(f"EngineConfig.{name} must be a positive number of seconds, got {value!r}")
         # Frozen means frozen: a dict the caller keeps could change under us.
         object.__setattr__(self, "transport_options", types.MappingProxyType(dict(self.transport_options)))
 

@@ -25,7 +25,7 @@ from typing import Any
 import transport
 
 from .config import EngineConfig, KVPoll, RequestStats
-from .errors import ClosedError
+from .errors import ClosedError, ConfigError
 from .pools import PoolSet
 from .progress import Progress
 from .requests import RequestTable, check_request_id
@@ -42,7 +42,7 @@ class Engine:
     def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None) -> None:
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+            raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.config = config
         options = {"host": config.host, **config.transport_options}
         self._transport = transport.create(config.transport, **options)

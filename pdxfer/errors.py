@@ -20,6 +20,10 @@ from transport.errors import (
 )
 
 
+class ConfigError(PdxferError, ValueError):
+    """An `EngineConfig` (or engine constructor argument) that cannot work; names the field."""
+
+
 class LayoutMismatchError(PdxferError):
     """Prefill and decode disagree on a pool's bytes; names the pool and field."""
 
@@ -41,6 +45,7 @@ __all__ = [
     "BoundsError",
     "CapabilityError",
     "ClosedError",
+    "ConfigError",
     "LayoutError",
     "LayoutMismatchError",
     "PdxferError",

@@ -86,7 +86,7 @@ class Protocol:
             hints = typing.get_type_hints(cls)
             fields = {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
             if cls.TYPE in self._types:
-                raise ValueError(f"message type {cls.TYPE!r} registered twice in {name}")
+                raise ProtocolError(f"message type {cls.TYPE!r} registered twice in protocol {name}")
             self._types[cls.TYPE] = (cls, fields)
 
     # -- encoding ---------------------------------------------------------

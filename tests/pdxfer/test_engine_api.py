@@ -11,7 +11,15 @@ import pytest
 from pdxfer_testkit import BACKENDS, build_pools, config
 
 import pdxfer
-from pdxfer import DecodeEngine, EngineConfig, KVPoll, PrefillEngine, RequestStats
+from pdxfer import (
+    ConfigError,
+    DecodeEngine,
+    EngineConfig,
+    KVPoll,
+    PdxferError,
+    PrefillEngine,
+    RequestStats,
+)
 from pdxfer.protocol import (
     CONTROL,
     Expect,
@@ -30,7 +38,7 @@ from transport.wire import LENGTH
 
 def test_public_api_is_pinned() -> None:
     assert pdxfer.__all__ == [
-        "BoundsError", "CapabilityError", "ClosedError", "DecodeEngine", "EngineConfig", "KVPoll",
+        "BoundsError", "CapabilityError", "ClosedError", "ConfigError", "DecodeEngine", "EngineConfig", "KVPoll",
         "LayoutError", "LayoutMismatchError", "PdxferError", "PeerLostError", "PrefillEngine",
         "ProtocolError", "RegistrationError", "RequestError", "RequestFailed", "RequestStats",
         "TransferTimeout", "TransportError",
@@ -41,6 +49,17 @@ def test_public_api_is_pinned() -> None:
         assert callable(getattr(PrefillEngine, method))
     for method in ("expect", "poll", "wait", "failure_reason", "abort", "stats", "release", "close"):
         assert callable(getattr(DecodeEngine, method))
+
+
+def test_every_exported_error_derives_from_the_one_root() -> None:
+    errors = [getattr(pdxfer, n) for n in pdxfer.__all__ if n.endswith("Error") or n in (
+        "RequestFailed", "TransferTimeout")]
+    assert len(errors) == 14
+    for cls in errors:
+        assert issubclass(cls, PdxferError), cls
+    # The layout family keeps the seed's ValueError, and so do bounds and config refusals.
+    for cls in (pdxfer.LayoutError, pdxfer.BoundsError, ConfigError):
+        assert issubclass(cls, ValueError)
 
 
 def test_kvpoll_keeps_sglang_numbering() -> None:
@@ -57,9 +76,11 @@ def test_config_is_frozen_and_validated() -> None:
         cfg.transport_options["streams"] = 4  # type: ignore[index]
     assert hash(cfg) == hash(EngineConfig(transport="tcp", transport_options={"streams": 2}))
     assert cfg.heartbeat == 2.5 and cfg.grace == 1.0
-    with pytest.raises(ValueError, match="timeout must be a positive number"):
+    with pytest.raises(ConfigError, match="timeout must be a positive number"):
         EngineConfig(timeout=0)
-    with pytest.raises(ValueError, match="port must be 0..65535"):
+    with pytest.raises(ConfigError, match="transport must be a backend name"):
+        EngineConfig(transport="")
+    with pytest.raises(ConfigError, match="port must be 0..65535"):
         EngineConfig(port=70000)
     stats = RequestStats(1, 2, 3, 0.5)
     with pytest.raises(dataclasses.FrozenInstanceError):
