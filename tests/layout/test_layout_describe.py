@@ -161,4 +161,6 @@ def test_fingerprint_refuses_what_is_not_a_description() -> None:
 def test_description_is_json_friendly_too() -> None:
     # Plain data through and through: JSON (with -inf allowed) needs nothing custom.
     for arena in all_kinds():
-        json.dumps(describe(arena))
+        desc = describe(arena)
+        back = json.loads(json.dumps(desc))
+        assert fingerprint(back) == fingerprint(desc)
