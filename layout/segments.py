@@ -17,11 +17,23 @@ or fields only, never over entries or layers × entries.
 Validation (`check_indices`) happens before any planning, so a bad request
 is refused with the offending position and value, and no table — hence no
 write — is ever produced from it.
+
+Small requests are the common case (a request names tens of pages, one state
+entry), and there numpy's constant cost per call, not the work, is the bill:
+so the number of numpy calls is what is kept small. Up to `_TINY` pairs plan
+in plain int arithmetic (`_plan_tiny`), which only ever accepts: anything it
+doubts goes down the vectorised path, which words the refusal — one place
+states each rule's message. Up to `_SMALL` indices, sorting (a few calls on a
+few elements) replaces the bitmaps that pay off only for big requests. A
+single whole-slot range can only join rows whose entries are consecutive on
+both sides, so that case (`_plan_slots`) finds runs on the indices and fills
+the table in place, without building and merging per-row byte columns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 
 import numpy as np
 import torch
@@ -33,6 +45,13 @@ from .fields import _require_int
 _KINDS = "EntryMajorArena, SplitEntryMajorArena, LayerMajorArena, PageMajorMHAArena, PageMajorMambaArena"
 
 Arena = EntryMajorArena | SplitEntryMajorArena | LayerMajorArena
+
+# At most this many pairs plan in plain ints (`_plan_tiny`): a state entry or
+# a decode step's page. Each numpy call costs ~0.5-2 us whatever its size.
+_TINY = 3
+# Up to this many indices, a sort of a few elements beats a bitmap over the
+# whole index space (which costs the space, not the request).
+_SMALL = 64
 
 
 def _empty() -> np.ndarray:
@@ -66,7 +85,10 @@ def _index_space(arena: Arena) -> tuple[int, int]:
 
 def _as_indices(idx: object, what: str) -> np.ndarray:
     """`idx` as a 1-D integer array (not yet range-checked), or `LayoutError`."""
-    if isinstance(idx, torch.Tensor):
+    if type(idx) is np.ndarray:  # the common case, without the checks below it passes
+        if idx.ndim == 1 and idx.dtype.kind in "iu":
+            return idx
+    elif isinstance(idx, torch.Tensor):
         idx = idx.detach().cpu().numpy()
     try:
         arr = np.asarray(idx)
@@ -116,15 +138,22 @@ def _dense(arr: np.ndarray, space: int) -> bool:
 
 
 def _check_unique(arr: np.ndarray, what: str, space: int) -> None:
-    # Strictly increasing (the common case) proves uniqueness without a sort.
-    if arr.size < 2 or bool(np.all(arr[1:] > arr[:-1])):
+    if arr.size < 2:
         return
-    if _dense(arr, space):
-        seen = np.zeros(space, dtype=bool)
-        seen[arr] = True
-        if int(np.count_nonzero(seen)) == arr.size:
+    if arr.size <= _SMALL:
+        ordered = np.sort(arr)
+        if not (ordered[1:] == ordered[:-1]).any():
             return
-    ordered = np.sort(arr)
+    else:
+        # Strictly increasing (the common case) proves uniqueness without a sort.
+        if (arr[1:] > arr[:-1]).all():
+            return
+        if _dense(arr, space):
+            seen = np.zeros(space, dtype=bool)
+            seen[arr] = True
+            if int(np.count_nonzero(seen)) == arr.size:
+                return
+        ordered = np.sort(arr)
     same = np.flatnonzero(ordered[1:] == ordered[:-1])
     if same.size:
         value = int(ordered[same[0]])
@@ -140,9 +169,10 @@ def _source_order(src: np.ndarray, space: int) -> np.ndarray | None:
 
     Distinct sources in a dense index space sort by scattering positions into
     a table indexed by entry (O(n), a few times faster than a comparison
-    sort); repeated sources fall back to a stable argsort.
+    sort); repeated sources fall back to a stable argsort. (Small requests
+    are ordered by `_small_pairs`.)
     """
-    if src.size < 2 or bool(np.all(src[1:] >= src[:-1])):
+    if src.size < 2 or (src[1:] >= src[:-1]).all():
         return None
     if _dense(src, space):
         pos = np.full(space, -1, dtype=np.int64)
@@ -151,6 +181,32 @@ def _source_order(src: np.ndarray, space: int) -> np.ndarray | None:
         if order.size == src.size:
             return order
     return np.argsort(src, kind="stable")
+
+
+def _small_pairs(
+    src: np.ndarray, dst: np.ndarray, live: tuple[int, int], dst_entries: int
+) -> np.ndarray | None:
+    """`[2, n]` int64 (sources, destinations), checked and ordered by source; None if in doubt.
+
+    For requests of up to `_SMALL` pairs, in about ten numpy calls: both
+    index arrays go into one array, so one max checks both ranges (viewed
+    unsigned, a negative index is huge) and one gather reorders both. Like
+    `_plan_tiny` it never words a refusal: a doubtful request (a bad index, a
+    repeated destination, an unsigned index that wrapped in the int64 copy)
+    goes to `_check_range`/`_check_unique`, which find and name it.
+    """
+    first_live, entries = live
+    pair = np.empty((2, src.size), dtype=np.int64)
+    pair[0] = src
+    pair[1] = dst
+    hi = pair.view(np.uint64).max(axis=1).tolist()
+    if hi[0] >= entries or hi[1] >= dst_entries or (first_live and int(pair[0].min()) < first_live):
+        return None
+    ordered = pair[1].copy()
+    ordered.sort()
+    if np.count_nonzero(ordered[1:] == ordered[:-1]):
+        return None
+    return pair.take(pair[0].argsort(kind="stable"), axis=1)
 
 
 def check_indices(
@@ -212,30 +268,88 @@ def coalesce(table: np.ndarray) -> np.ndarray:
     return _merge(arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy())
 
 
-def _plan_strided(
-    src: np.ndarray, dst: np.ndarray, stride: int, ranges: Sequence[tuple[int, int]]
-) -> np.ndarray:
+def _plan_strided(pair: np.ndarray, stride: int, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
     """Entry `i`'s ranges at `i * stride + offset` on both sides, merged."""
     ranges = [(o, n) for o, n in ranges if n > 0]
-    if not ranges or src.size == 0:
+    if not ranges or pair.shape[1] == 0:
         return _empty()
     if len(ranges) == 1:
         (off, n), = ranges
-        s = src * stride + off
-        d = dst * stride + off
-        nbytes = np.full(src.size, n, dtype=np.int64)
-    else:
-        offs = np.array([o for o, _ in ranges], dtype=np.int64)
-        s = (src[:, None] * stride + offs).ravel()
-        d = (dst[:, None] * stride + offs).ravel()
-        nbytes = np.tile(np.array([n for _, n in ranges], dtype=np.int64), src.size)
+        return _plan_slots(pair, stride, off, n)
+    offs = np.array([o for o, _ in ranges], dtype=np.int64)
+    s = (pair[0][:, None] * stride + offs).ravel()
+    d = (pair[1][:, None] * stride + offs).ravel()
+    nbytes = np.tile(np.array([n for _, n in ranges], dtype=np.int64), pair.shape[1])
     return _merge(s, d, nbytes)
 
 
+def _plan_slots(pair: np.ndarray, stride: int, off: int, n: int) -> np.ndarray:
+    """One range `[off, off + n)` per entry: `_merge`'s table, with runs found on the indices.
+
+    Row `k + 1` continues row `k` only when `(src[k+1] - src[k]) * stride == n`;
+    as `0 < n <= stride`, that is `n == stride` and both indices step by one.
+    So a range narrower than the slot never merges, and a whole slot merges
+    exactly the runs of entries consecutive on both sides.
+    """
+    size = pair.shape[1]
+    nbytes: int | np.ndarray = n
+    if n == stride and size > 1:
+        brk = (pair[:, 1:] - pair[:, :-1]) != 1
+        brk = brk[0] | brk[1]
+        if np.count_nonzero(brk) < size - 1:
+            starts = np.flatnonzero(np.concatenate(([True], brk)))
+            nbytes = np.diff(np.append(starts, size)) * n
+            pair = pair.take(starts, axis=1)
+    out = np.empty((pair.shape[1], 3), dtype=np.int64)
+    out[:, :2] = (pair * stride + off if off else pair * stride).T
+    out[:, 2] = nbytes
+    return out
+
+
+def _plan_tiny(
+    arena: Arena, src: np.ndarray, dst: np.ndarray, live: tuple[int, int], dst_entries: int,
+    checkpoint: bool,
+) -> list[np.ndarray] | None:
+    """`plan_segments`' tables for at most `_TINY` pairs, in plain ints; None if in doubt.
+
+    Accepts only what the vectorised path accepts and returns the same tables
+    (same merging, same source order, stable among repeated sources). Any
+    index it does not like sends the request down that path, which refuses it
+    with the position and value — so this never words a refusal itself.
+    """
+    if isinstance(arena, SplitEntryMajorArena):
+        planes = arena.arenas
+    elif isinstance(arena, EntryMajorArena):
+        planes = [arena]
+    else:
+        return None
+    sl, dl = src.tolist(), dst.tolist()
+    first_live, entries = live
+    if sl and (min(sl) < first_live or max(sl) >= entries or min(dl) < 0
+               or max(dl) >= dst_entries or len(set(dl)) != len(dl)):
+        return None
+    pairs = sorted(zip(sl, dl, strict=True), key=itemgetter(0))
+    tables = []
+    for plane in planes:
+        stride, rows = plane.slot_stride, []
+        for s, d in pairs:
+            for off, n in _ranges(plane, checkpoint):
+                if n <= 0:
+                    continue
+                a, b = s * stride + off, d * stride + off
+                if rows and rows[-1][0] + rows[-1][2] == a and rows[-1][1] + rows[-1][2] == b:
+                    rows[-1][2] += n
+                else:
+                    rows.append([a, b, n])
+        tables.append(np.array(rows, dtype=np.int64) if rows else _empty())
+    return tables
+
+
 def _plan_layer_major(
-    arena: LayerMajorArena, src: np.ndarray, dst: np.ndarray, dst_entries: int, checkpoint: bool
+    arena: LayerMajorArena, pair: np.ndarray, dst_entries: int, checkpoint: bool
 ) -> np.ndarray:
     """One row per field × layer × run of entries consecutive on both sides, merged."""
+    src, dst = pair
     if src.size == 0:
         return _empty()
     cont = (src[1:] == src[:-1] + 1) & (dst[1:] == dst[:-1] + 1)
@@ -286,23 +400,29 @@ def plan_segments(
         )
     entries, first_live = _index_space(arena)
     dst_entries = entries if dst_entries is None else _require_int(dst_entries, "dst_entries")
-    _check_range(src, first_live, entries, "source index")
-    _check_range(dst, 0, dst_entries, "destination index")
-    src = src.astype(np.int64)
-    dst = dst.astype(np.int64)
-    _check_unique(dst, "destination index", dst_entries)
-    order = _source_order(src, entries)
-    if order is not None:
-        src, dst = src[order], dst[order]
+    if src.size <= _TINY:
+        tables = _plan_tiny(arena, src, dst, (first_live, entries), dst_entries, checkpoint)
+        if tables is not None:
+            return tables
+    small = 0 < src.size <= _SMALL
+    pair = _small_pairs(src, dst, (first_live, entries), dst_entries) if small else None
+    if pair is None:
+        _check_range(src, first_live, entries, "source index")
+        _check_range(dst, 0, dst_entries, "destination index")
+        pair = np.empty((2, src.size), dtype=np.int64)
+        pair[0] = src
+        pair[1] = dst
+        _check_unique(pair[1], "destination index", dst_entries)
+        order = _source_order(pair[0], entries)
+        if order is not None:
+            pair = pair.take(order, axis=1)
 
     if isinstance(arena, SplitEntryMajorArena):
-        return [
-            _plan_strided(src, dst, plane.slot_stride, _ranges(plane, checkpoint))
-            for plane in arena.arenas
-        ]
+        return [_plan_strided(pair, plane.slot_stride, _ranges(plane, checkpoint))
+                for plane in arena.arenas]
     if isinstance(arena, LayerMajorArena):
-        return [_plan_layer_major(arena, src, dst, dst_entries, checkpoint)]
-    return [_plan_strided(src, dst, arena.slot_stride, _ranges(arena, checkpoint))]
+        return [_plan_layer_major(arena, pair, dst_entries, checkpoint)]
+    return [_plan_strided(pair, arena.slot_stride, _ranges(arena, checkpoint))]
 
 
 def _ranges(arena: EntryMajorArena, checkpoint: bool) -> list[tuple[int, int]]:
