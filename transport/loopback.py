@@ -12,12 +12,13 @@ the peer's notify handler, complete the handle. Copies hold the connection's
 landing lock; severing the connection (peer `drop_peer`, either engine
 closing) takes that lock, so once it returns no further byte lands.
 
-Copies: CPU→CPU rows go through numpy slice assignment, which releases the
-GIL for large blocks; transfers of large rows are split over a small thread
-pool by balanced bytes, because one thread copying 4 MiB blocks runs at about
-half of memory bandwidth on the machines we measured (the blocks fall under
-glibc's non-temporal-store threshold) while two reach a whole-buffer memcpy.
-Small rows stay on the worker thread: more threads only fight over the GIL.
+Copies: CPU→CPU tables go to `copying.CopyPool` (one per sending engine),
+which merges rows adjacent on both sides into one copy, moves equal-sized
+short rows with one vectorised numpy assignment per batch, and shares big
+tables between the worker thread and a few helper threads that claim
+batches from one list; its module docstring has the measurements behind
+each step. A copy in progress always finishes on every thread before the
+worker releases the landing lock, so the fence covers helpers too.
 Anything involving CUDA memory goes through `torch.Tensor.copy_` per row and
 one stream synchronise at the end of the transfer.
 
@@ -34,7 +35,6 @@ import os
 import threading
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -48,25 +48,16 @@ from .base import (
     TransferHandle,
     TransportEngine,
 )
+from .copying import CopyPool
 from .errors import ClosedError, PeerLostError, RegistrationError, TransportError
 from .handles import Handle
 from .regions import Region, RegionTable, check_descriptor
-from .segments import as_table, balanced_parts, check_notify, check_table
+from .segments import as_table, check_notify, check_table
 
 log = logging.getLogger(__name__)
 
 # Live engines of this process by id: what `connect` resolves an address with.
 _ENGINES: weakref.WeakValueDictionary[str, LoopbackEngine] = weakref.WeakValueDictionary()
-
-# Transfers whose rows average at least this many bytes, and that move at
-# least _PARALLEL_MIN_TOTAL in all, are split over the copy pool.
-_PARALLEL_MIN_ROW = 256 * 1024
-_PARALLEL_MIN_TOTAL = 8 << 20
-
-
-def _copy_rows(src: np.ndarray, dst: np.ndarray, rows: np.ndarray) -> None:
-    for s, d, n in rows.tolist():
-        dst[d:d + n] = src[s:s + n]
 
 
 def _copy_torch(src: torch.Tensor, dst: torch.Tensor, rows: np.ndarray) -> None:
@@ -153,7 +144,7 @@ class LoopbackConnection(Connection):
                         return
                     self._owner._move(item.src, item.dst, item.table)
             except Exception as exc:  # a copy failing is a bug or a device fault
-                if self._owner._closed:  # the copy pool was shut down under us
+                if self._owner._closed:  # a copy failing during close is reported as the close
                     item.handle.fail(ClosedError(f"{item.handle.what}: engine closed"))
                     return
                 item.handle.fail(TransportError(f"{item.handle.what} failed: {exc}"))
@@ -210,9 +201,7 @@ class LoopbackEngine(TransportEngine):
         self._outbound: dict[str, LoopbackConnection] = {}
         self._inbound: dict[str, list[LoopbackConnection]] = {}
         self._handler: NotifyHandler | None = None
-        self._copy_threads = max(1, copy_threads or min(4, os.cpu_count() or 1))
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()  # never self._lock: _move runs under a landing lock
+        self._copier = CopyPool(copy_threads or min(4, os.cpu_count() or 1))
         self._closed = False
         _ENGINES[self.engine_id] = self
 
@@ -279,20 +268,7 @@ class LoopbackEngine(TransportEngine):
         if src.array is None or dst.array is None:
             _copy_torch(src.data, dst.data, table)
             return
-        total = int(table[:, 2].sum())
-        if (self._copy_threads == 1 or total < _PARALLEL_MIN_TOTAL
-                or total < _PARALLEL_MIN_ROW * table.shape[0]):
-            _copy_rows(src.array, dst.array, table)
-            return
-        parts = balanced_parts(table, self._copy_threads)
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="loopback-copy")
-            pool = self._pool
-        futures = [pool.submit(_copy_rows, src.array, dst.array, p) for p in parts[1:]]
-        _copy_rows(src.array, dst.array, parts[0])
-        for f in futures:
-            f.result()
+        self._copier.copy(src.array, dst.array, table)
 
     # -- lifecycle ----------------------------------------------------------
     def _check_open(self) -> None:
@@ -308,13 +284,10 @@ class LoopbackEngine(TransportEngine):
             inbound = [c for links in self._inbound.values() for c in links]
             self._outbound.clear()
             self._inbound.clear()
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
         _ENGINES.pop(self.engine_id, None)
         for conn in inbound:
             conn.sever(PeerLostError(f"loopback engine {self.engine_id} closed"))
         for conn in outbound:
             conn.close()
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._copier.close()
         self._regions.clear()
