@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.pdxfer-installed
 
 # torch is pinned here, not in pyproject: 2.13.0 is the CPU build on these
 # machines' local disk, while an unpinned torch pulls a multi-GB CUDA build.
+# It is installed first so nixl-cu12 (which asks for any torch) finds it
+# satisfied instead of pulling a CUDA build of its own.
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: setup demo test lint bench clean
@@ -15,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,nixl]"
 	touch $(STAMP)
 
 setup: $(STAMP)

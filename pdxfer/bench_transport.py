@@ -14,7 +14,9 @@ shows) and with destination slots shuffled. Per case, in the same run:
 - `raw socket`: one TCP connection over 127.0.0.1 moving each segment with
   one `sendall` and one `recv_into` loop — what a naive socket transport does;
 - `tcp`: one `write` between two tcp engines (default stream count), and
-  `tcp 1 stream` to show what striping adds.
+  `tcp 1 stream` to show what striping adds;
+- any other installed backend (`nixl`): one `write` between two engines,
+  beside memcpy and tcp.
 
 Every figure is the median of `--reps` timed runs after one warm-up; the
 destination is zeroed before each run and its crc32 compared with the
@@ -170,6 +172,12 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None]) 
             pairs["tcp 1 stream"] = _EnginePair("tcp", src, dst, streams=1)
             tcp_col = f"tcp ({pairs['tcp'].tx.streams} streams)"
             columns += ["raw socket", tcp_col, "tcp/raw", "tcp 1 stream"]
+        # Any other backend gets its figure beside the memcpy and, when tcp
+        # runs too, its ratio to tcp: the socket path every host has.
+        others = [b for b in backends if b not in ("loopback", "tcp")]
+        for name in others:
+            pairs[name] = _EnginePair(name, src, dst)
+            columns += [name, f"{name}/memcpy"] + ([f"{name}/tcp"] if raw is not None else [])
         out("| " + " | ".join(columns) + " |")
         out("|" + " --- |" * len(columns))
         for seg in SEGMENTS:
@@ -181,6 +189,10 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None]) 
                 if "loopback" in gbs:
                     row["loopback/memcpy"] = f"{gbs['loopback'] / gbs['memcpy']:.2f}x"
                     row["loopback/(memcpy/seg)"] = f"{gbs['loopback'] / gbs['memcpy/seg']:.2f}x"
+                for other in others:
+                    row[f"{other}/memcpy"] = f"{gbs[other] / gbs['memcpy']:.2f}x"
+                    if raw is not None:
+                        row[f"{other}/tcp"] = f"{gbs[other] / gbs['tcp']:.2f}x"
                 if raw is not None:
                     row[tcp_col] = row.pop("tcp")
                     row["tcp/raw"] = f"{gbs['tcp'] / gbs['raw socket']:.2f}x"
@@ -202,15 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per case (MiB)")
     parser.add_argument("--reps", type=int, default=5, help="timed runs per figure (median)")
     parser.add_argument("--quick", action="store_true", help="32 MiB per case, for a smoke run")
-    parser.add_argument("--backends", default="loopback,tcp", help="comma-separated backends")
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated backends (default: every installed one)")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error("--reps must be at least 1")
     total = (32 if args.quick else args.total_mib) * MiB
-    backends = [b for b in args.backends.split(",") if b]
-    unknown = set(backends) - {"loopback", "tcp"}
+    installed = transport.available()
+    backends = installed if args.backends is None else [b for b in args.backends.split(",") if b]
+    unknown = set(backends) - set(installed)
     if unknown:
-        parser.error(f"unknown backends {sorted(unknown)}; choose from loopback, tcp")
+        parser.error(f"backends {sorted(unknown)} are not installed; choose from {', '.join(installed)}")
     print(f"# pdxfer bench transport: {total // MiB} MiB per case, median of {args.reps} runs, GB/s")
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"python {platform.python_version()}, torch {torch.__version__}")

@@ -18,6 +18,7 @@ from .errors import CapabilityError
 _BACKENDS: dict[str, tuple[str, str, str]] = {
     "loopback": ("transport.loopback", "LoopbackEngine", "built in"),
     "tcp": ("transport.tcp", "TcpEngine", "built in"),
+    "nixl": ("transport.nixl", "NixlEngine", "pip install nixl-cu12 (bundles UCX)"),
 }
 
 

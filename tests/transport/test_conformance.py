@@ -42,7 +42,7 @@ def test_builtin_backends_are_available() -> None:
 
 
 def test_unknown_backend_is_a_capability_error() -> None:
-    with pytest.raises(CapabilityError, match="unknown transport 'rdma'; known: loopback, tcp"):
+    with pytest.raises(CapabilityError, match="unknown transport 'rdma'; known: loopback, nixl, tcp"):
         transport.create("rdma")
 
 
@@ -118,13 +118,14 @@ def _assert_untouched_then_usable(rig: Rig) -> None:
 
 def _bad_targets(rig: Rig) -> list[tuple[str, object, object, type, str]]:
     d = rig.remote
+    other = "tcp" if rig.backend == "nixl" else "nixl"  # a backend this rig is not
     gone = rig.tx.register(torch.zeros(16, dtype=torch.uint8))
     rig.tx.deregister(gone)
     return [
         ("unknown region", rig.src_region, {**d, "region": d["region"] + 1000}, RegistrationError, f"no region {d['region'] + 1000}"),
         ("stale length", rig.src_region, {**d, "length": d["length"] + 1}, RegistrationError, "stale"),
         ("other engine", rig.src_region, rig.src_region.descriptor(), RegistrationError, "connect to the engine that registered"),
-        ("other backend", rig.src_region, {**d, "backend": "nixl"}, RegistrationError, "descriptor is for backend 'nixl'"),
+        ("other backend", rig.src_region, {**d, "backend": other}, RegistrationError, f"descriptor is for backend '{other}'"),
         ("not a descriptor", rig.src_region, [1, 2], RegistrationError, "must be a dict"),
         ("deregistered local region", gone, d, RegistrationError, "was deregistered"),
         ("foreign local region", rig.dst_region, d, RegistrationError, "was not registered with"),

@@ -1,0 +1,407 @@
+"""The nixl backend: UCX through NVIDIA NIXL, here over UCX's tcp transport.
+
+What NIXL brings: registered memory described once, and one posted request
+moving a whole list of `(address, length)` pairs with a notification that
+lands after the data. What this module adds around it is the contract of
+`transport.base`: the shared registration and refusals (`RegionTable`,
+`check_table`, before anything is posted), handles that complete when the
+receiver confirms, errors translated at this edge, and a real `drop_peer`.
+
+The pieces: `NixlEngine` (here) owns one NIXL agent, named by its engine id,
+that registers every region and initiates every write; a control listener;
+the inbound links (`nixl_peer.InboundPeer`, each with an agent serving that
+one sender); the outbound links (`nixl_conn.NixlConnection`); and the one
+polling loop (`nixl_progress.Progress`). Control frames: `nixl_wire`.
+
+The fence, and the trade-off it costs. `drop_peer` must guarantee that no
+byte of the dropped peer's earlier writes lands after it returns. With UCX's
+shared-memory or RDMA transports (cma, knem, rc) a writer moves bytes into
+our memory with no action of ours, and nothing on our side can stop a write
+already under way, so we restrict UCX to `tls="tcp"` — passed to the UCX
+backend as its `engine_config`, never through the environment — and run
+NIXL without its own progress thread. Then bytes land only inside our
+progress thread's calls on the link's own agent, and the fence is: lock the
+link's agent, mark it dead, destroy it (`nixl_peer.InboundPeer.fence`). The
+price is the tcp transport's speed on one host (no cma single-copy) and a
+UCX worker per inbound link. `tls` is an option so a deployment that does
+not need the fence may widen it; `drop_peer` then refuses with
+`CapabilityError` rather than pretend.
+
+Capabilities: host memory only (`cuda_memory=False`: VRAM needs UCX's cuda
+transports, which this configuration leaves out and this machine lacks);
+`one_sided=False`, honestly: over tcp the receiver's progress copies the
+bytes off the socket. Deliberately absent: `read` (nothing needs it yet).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import Capabilities, Connection, LocalRegion, NotifyHandler, TransportEngine
+from .errors import CapabilityError, ClosedError, PeerLostError, RegistrationError, TransportError
+from .nixl_conn import NixlConnection
+from .nixl_peer import InboundPeer
+from .nixl_progress import Progress, lost
+from .nixl_wire import Welcome, make_agent, translate
+from .regions import Region, RegionTable
+
+log = logging.getLogger(__name__)
+
+# UCX transport lists under which only our own progress calls write into our
+# memory, so drop_peer can fence (see the module docstring).
+FENCEABLE_TLS = frozenset({"tcp", "tcp,self", "self,tcp"})
+
+
+class _Send:
+    """A posted NIXL request, polled until DONE/ERR and then released."""
+
+    __slots__ = ("conn", "tries", "xfer")
+
+    def __init__(self, conn: NixlConnection, xfer: Any) -> None:
+        self.conn, self.xfer, self.tries = conn, xfer, 0
+
+
+class NixlEngine(TransportEngine):
+    """A nixl transport engine: one initiating agent, a control listener, links both ways."""
+
+    name = "nixl"
+    capabilities = Capabilities(
+        cuda_memory=False, cuda_zero_copy=False, cross_process=True,
+        one_sided=False, notify=True, read=False,
+    )
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        streams: int | None = None,
+        *,
+        tls: str = "tcp",
+        connect_timeout: float = 10.0,
+    ) -> None:
+        """`host`/`port`: the control listener. `streams` is accepted like every backend's
+        common option and unused: UCX decides its own lanes. `tls`: the UCX transports."""
+        del streams
+        self.engine_id = f"nixl-{uuid.uuid4().hex[:12]}"
+        self.tls = tls
+        self.connect_timeout = connect_timeout
+        self.regions = RegionTable(self.name, self.engine_id, cuda=False)
+        self._lock = threading.Lock()  # engine state: regions, links, closed
+        self._closed = False
+        self._handler: NotifyHandler | None = None
+        self._live: dict[int, Region] = {}
+        self._retired: list[Region] = []  # deregistered, kept alive: see deregister()
+        self._peers: set[InboundPeer] = set()
+        self._serial = itertools.count(1)
+        self._outbound: dict[str, NixlConnection] = {}
+        self._agent_lock = threading.Lock()  # every NIXL call on the initiating agent
+        self._agent = make_agent(self.engine_id, tls)
+        self._regs: dict[int, Any] = {}
+        self._sends: list[_Send] = []
+        try:
+            self._listener = socket.create_server((host, port), backlog=128)
+        except OSError as exc:
+            raise TransportError(f"nixl engine cannot listen on {host}:{port}: {exc}") from exc
+        bound = self._listener.getsockname()
+        self._host = socket.gethostname() if host in ("", "0.0.0.0", "::") else bound[0]
+        self._port = bound[1]
+        self._progress = Progress(self)
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, daemon=True, name=f"nixl-accept {self._port}"
+        )
+        self._acceptor.start()
+
+    # -- memory -------------------------------------------------------------
+    def register(self, tensor: torch.Tensor) -> LocalRegion:
+        with self._lock:
+            self._check_open()
+            region = self.regions.register(tensor)
+            try:
+                with self._agent_lock:
+                    self._regs[region.region_id] = self._agent.register_memory(region.data)
+                for peer in list(self._peers):
+                    peer.add_region(region)
+            except TransportError:
+                self._undo(region)
+                raise
+            except Exception as exc:
+                self._undo(region)
+                raise translate(exc, f"registering {region.length} B with NIXL") from exc
+            self._live[region.region_id] = region
+        return region
+
+    def _undo(self, region: Region) -> None:
+        # Under the engine lock: no Gone frame (no peer heard of the region, and
+        # a failed send would fence, which takes this lock again).
+        self.regions.deregister(region)
+        for peer in list(self._peers):
+            peer.drop_region(region.region_id, tell=False)
+        with self._agent_lock:
+            reg = self._regs.pop(region.region_id, None)
+            if reg is not None:
+                self._agent.deregister_memory(reg)
+
+    def deregister(self, region: LocalRegion) -> None:
+        """Forget a region; its memory stays referenced until close.
+
+        Over tcp a peer's write names raw addresses, and a write posted
+        before the peer hears `Gone` may still land: keeping the tensor alive
+        keeps that write from landing in freed memory.
+        """
+        self.regions.deregister(region)
+        with self._lock:
+            live = self._live.pop(getattr(region, "region_id", -1), None)
+            if live is not region:
+                if live is not None:
+                    self._live[live.region_id] = live
+                return
+            self._retired.append(live)
+            peers = list(self._peers)
+            with self._agent_lock:
+                reg = self._regs.pop(live.region_id, None)
+                if reg is not None and self._agent is not None:
+                    try:
+                        self._agent.deregister_memory(reg)
+                    except Exception:
+                        log.exception("nixl: deregistering region %d failed", live.region_id)
+        for peer in peers:
+            peer.drop_region(live.region_id)
+
+    def _live_regions(self) -> list[Region]:
+        with self._lock:
+            return list(self._live.values())
+
+    # -- peers --------------------------------------------------------------
+    def address(self) -> dict[str, Any]:
+        return {"backend": self.name, "engine": self.engine_id, "host": self._host, "port": self._port}
+
+    def connect(self, peer_address: dict[str, Any]) -> Connection:
+        self._check_open()
+        addr = peer_address if isinstance(peer_address, dict) else {}
+        host, port, peer = addr.get("host"), addr.get("port"), addr.get("engine")
+        if (addr.get("backend") != self.name or not isinstance(host, str)
+                or not isinstance(peer, str) or isinstance(port, bool) or not isinstance(port, int)):
+            raise RegistrationError(
+                f"not a nixl address: {peer_address!r}; pass the peer engine's address() "
+                "(backend, engine, host, port)"
+            )
+        with self._lock:
+            conn = self._outbound.get(peer)
+            if conn is not None and conn.alive:
+                return conn
+        fresh = NixlConnection(self, host, port, peer)
+        with self._lock:
+            closed = self._closed
+            current = self._outbound.get(peer)
+            spare = None
+            if not closed and current is not None and current.alive:
+                fresh, spare = current, fresh  # another thread connected meanwhile
+            elif not closed:
+                self._outbound[peer] = fresh
+        if closed:
+            fresh.close()
+            raise ClosedError(f"nixl engine {self.engine_id} closed while connecting")
+        if spare is not None:
+            spare.close()
+        return fresh
+
+    def _load_metadata(self, metadata: bytes, expected: str) -> str:
+        """Load a peer agent's metadata into our agent; its name must be `expected`."""
+        with self._agent_lock:
+            self._check_agent()
+            try:
+                name = self._agent.add_remote_agent(metadata)
+            except Exception as exc:
+                raise translate(exc, "loading the peer's NIXL metadata") from exc
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != expected:
+            raise RegistrationError(f"peer metadata is for agent {name!r}, expected {expected!r}")
+        return name
+
+    def set_notify_handler(self, handler: NotifyHandler | None) -> None:
+        self._handler = handler
+
+    def _deliver(self, sender: str | None, payload: bytes) -> None:
+        handler = self._handler
+        if handler is None or self._closed or sender is None:
+            return
+        try:
+            handler(sender, payload)
+        except Exception:  # the handler is the caller's code; its bug must not kill the link
+            log.exception("notify handler raised for a payload from %s", sender)
+
+    def drop_peer(self, engine_id: str) -> None:
+        if self.tls not in FENCEABLE_TLS:
+            raise CapabilityError(
+                f"nixl engine with UCX transports {self.tls!r} cannot fence a peer: those "
+                "transports write into our memory without our progress; use tls='tcp'"
+            )
+        with self._lock:
+            peers = [p for p in self._peers if p.sender == engine_id]
+        for peer in peers:
+            peer.fence()
+
+    # -- inbound links (called by InboundPeer) -------------------------------
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError as exc:
+                if self._closed:
+                    return
+                log.warning("nixl engine %s: accept failed: %s", self.engine_id, exc)
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer = InboundPeer(self, sock, f"{addr[0]}:{addr[1]}", next(self._serial))
+            peer.start()
+
+    def _admit(self, peer: InboundPeer) -> Welcome:
+        """Register every live region on a new link's agent and welcome it (or refuse: closed)."""
+        with self._lock:
+            if self._closed:
+                raise PeerLostError(f"nixl engine {self.engine_id} is closing")
+            welcome = peer.welcome(list(self._live.values()))
+            self._peers.add(peer)
+        return welcome
+
+    def _forget(self, peer: InboundPeer) -> None:
+        with self._lock:
+            self._peers.discard(peer)
+
+    def _live_peers(self) -> list[InboundPeer]:
+        with self._lock:
+            return [p for p in self._peers if not p.dead]
+
+    # -- outbound transfers (called by NixlConnection and Progress) ----------
+    def _post(self, conn: NixlConnection, local: np.ndarray, remote: np.ndarray, note: bytes) -> None:
+        with self._agent_lock:
+            self._check_agent()
+            try:
+                ls = self._agent.get_xfer_descs(local, "DRAM")
+                rs = self._agent.get_xfer_descs(remote, "DRAM")
+                xfer = self._agent.initialize_xfer("WRITE", ls, rs, conn.agent, note)
+                state = self._agent.transfer(xfer)
+            except Exception as exc:
+                raise translate(exc, f"posting a write to {conn.peer}") from exc
+            self._sends.append(_Send(conn, xfer))
+        if state == "ERR":
+            raise PeerLostError(f"NIXL refused to post a write to {conn.peer}: the link is broken")
+        self._progress.kick()
+
+    def _notify_only(self, conn: NixlConnection, note: bytes) -> None:
+        with self._agent_lock:
+            self._check_agent()
+            try:
+                self._agent.send_notif(conn.agent, note)
+            except Exception as exc:
+                raise translate(exc, f"sending a notify to {conn.peer}") from exc
+        self._progress.kick()
+
+    def _poll_sends(self) -> tuple[list[tuple[NixlConnection, TransportError]], bool]:
+        """One look at every posted request: `(links to sever, whether any is still moving)`."""
+        failed = []
+        with self._agent_lock:
+            if self._agent is None:
+                return [], False
+            try:  # progresses the worker when no request is posted: a notify-only send
+                self._agent.get_new_notifs()  # moves only then (nobody writes to this agent)
+            except Exception as exc:
+                log.debug("nixl: progress of the initiating agent: %s", exc)
+            keep = []
+            for send in self._sends:
+                try:
+                    state = self._agent.check_xfer_state(send.xfer)
+                except Exception as exc:
+                    state = translate(exc, f"a write to {send.conn.peer}")
+                if state == "PROC" and not send.conn.dead:
+                    keep.append(send)
+                    continue
+                if state != "DONE" and not send.conn.dead:
+                    failed.append((send.conn, lost(f"a write to {send.conn.peer}", state)))
+                try:
+                    send.xfer.release()
+                except Exception:  # still active and not cancellable yet: retry next round
+                    send.tries += 1
+                    if send.tries < 1000:
+                        keep.append(send)
+            self._sends = keep
+            moving = any(not s.conn.dead for s in keep)
+        return failed, moving
+
+    def _disconnect(self, conn: NixlConnection) -> None:
+        """A link is dead: cancel its requests and forget the peer's agent."""
+        with self._agent_lock:
+            if self._agent is None:
+                return
+            keep = []
+            for send in self._sends:
+                if send.conn is conn:
+                    try:
+                        send.xfer.release()
+                        continue
+                    except Exception:
+                        pass
+                keep.append(send)
+            self._sends = keep
+            try:
+                self._agent.remove_remote_agent(conn.agent)
+            except Exception as exc:
+                log.debug("nixl: removing agent %s: %s", conn.agent, exc)
+        with self._lock:
+            if self._outbound.get(conn.peer) is conn:
+                del self._outbound[conn.peer]
+
+    # -- lifecycle ----------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"nixl engine {self.engine_id} is closed")
+
+    def _check_agent(self) -> None:
+        if self._agent is None:
+            raise ClosedError(f"nixl engine {self.engine_id} is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            outbound = list(self._outbound.values())
+            peers = list(self._peers)
+        try:  # wakes the blocked accept() on Linux
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for peer in peers:
+            peer.fence()
+        for conn in outbound:
+            conn.close()
+        self._progress.stop(2.0)
+        self._acceptor.join(2.0)
+        with self._agent_lock:
+            agent, self._agent = self._agent, None
+            for send in self._sends:
+                try:
+                    send.xfer.release()
+                except Exception:
+                    log.debug("nixl: a request was still active at close")
+            self._sends = []
+            for reg in self._regs.values():
+                try:
+                    agent.deregister_memory(reg)
+                except Exception:
+                    log.debug("nixl: deregistering at close failed")
+            self._regs.clear()
+            del agent  # last reference: the NIXL agent and its UCX worker go now
+        self.regions.clear()
+        self._live.clear()
+        self._retired.clear()
+

@@ -1,0 +1,190 @@
+"""What the nixl backend says besides NIXL itself: control frames, the notification, agents.
+
+NIXL moves the bytes and carries one notification per transfer; everything
+else — who is connecting, which regions exist at which addresses, which
+transfers landed, a peer going away — travels on one small TCP control
+connection per link, in `transport.wire` frames of protocol `pdxfer-nixl`:
+
+  sender → receiver: `Hello` once, `Refresh` (a region unknown to us was
+  named), `Bye` (we are closing: fence us);
+  receiver → sender: `Welcome` (its NIXL agent's metadata and its regions),
+  `Regions` (answer to `Refresh`), `Acks` (these transfers landed and their
+  notify was delivered), `Gone` (a region was deregistered).
+
+The control connection is also how a dead peer is noticed: UCX over tcp may
+take long to declare a killed process gone, a closed socket is seen at once.
+
+Every NIXL transfer carries a `Note` as its notification — the transfer's
+sequence number and the caller's notify payload, if any — so the receiver
+can acknowledge each transfer even when the caller sent no payload.
+
+Also here: `make_agent`, the one place that configures a NIXL agent, and
+`translate`, the one place that turns a NIXL exception into ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .errors import PeerLostError, RegistrationError, TransportError
+from .wire import LENGTH, Protocol
+
+# Importing nixl_cu12 configures its "nixl" logger to print INFO lines on
+# *stdout* (a process's protocol channel: our peer processes speak on it)
+# and turns off logging.raiseExceptions for the whole process. Undo both
+# here, at the edge: NIXL's records go to the standard logging tree, from
+# WARNING up, like every other library's.
+_raise_exceptions = logging.raiseExceptions
+from nixl_cu12 import _bindings as nixl_bindings  # noqa: E402
+from nixl_cu12 import nixl_agent, nixl_agent_config  # noqa: E402
+
+logging.raiseExceptions = _raise_exceptions
+_nixl_log = logging.getLogger("nixl")
+for _handler in list(_nixl_log.handlers):
+    _nixl_log.removeHandler(_handler)
+_nixl_log.propagate = True
+_nixl_log.setLevel(logging.WARNING)
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First frame from a connecting sender: its engine id (= its NIXL agent's name)."""
+
+    TYPE: ClassVar[str] = "hello"
+    engine: str
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The receiver's answer: the agent that serves this link alone, and the regions it may write."""
+
+    TYPE: ClassVar[str] = "welcome"
+    engine: str
+    agent: str
+    metadata: bytes  # the serving agent's full NIXL metadata
+    regions: bytes  # little-endian int64 rows (region_id, address, length)
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """A write named a region the sender does not know: send the current metadata."""
+
+    TYPE: ClassVar[str] = "refresh"
+    query: int
+
+
+@dataclass(frozen=True)
+class Regions:
+    """Answer to `Refresh`: fresh metadata and the full region list."""
+
+    TYPE: ClassVar[str] = "regions"
+    query: int
+    metadata: bytes
+    regions: bytes
+
+
+@dataclass(frozen=True)
+class Acks:
+    """These transfers' bytes are in the receiver's memory and their notify was delivered."""
+
+    TYPE: ClassVar[str] = "acks"
+    seqs: bytes  # little-endian int64 sequence numbers
+
+
+@dataclass(frozen=True)
+class Gone:
+    """Region `region` was deregistered: stop addressing it."""
+
+    TYPE: ClassVar[str] = "gone"
+    region: int
+
+
+@dataclass(frozen=True)
+class Bye:
+    """The sender closes the link; the receiver fences it and hangs up."""
+
+    TYPE: ClassVar[str] = "bye"
+
+
+@dataclass(frozen=True)
+class Note:
+    """The NIXL notification of one transfer: delivered by NIXL after its bytes."""
+
+    TYPE: ClassVar[str] = "note"
+    seq: int
+    payload: bytes | None
+
+
+CONTROL = Protocol(
+    "pdxfer-nixl", VERSION, [Hello, Welcome, Refresh, Regions, Acks, Gone, Bye], max_frame=16 << 20
+)
+NOTES = Protocol("pdxfer-nixl-note", VERSION, [Note], max_frame=128 * 1024)
+
+
+def pack_note(seq: int, payload: bytes | None) -> bytes:
+    """A `Note` as NIXL notification bytes (the frame body, without its length prefix)."""
+    return NOTES.pack(Note(seq, payload))[LENGTH.size:]
+
+
+def unpack_note(data: bytes) -> Note:
+    """The `Note` in a NIXL notification; `ProtocolError` for anything else."""
+    NOTES.check_length(len(data))
+    return NOTES.unpack(data)
+
+
+def ints(data: bytes, width: int, what: str) -> np.ndarray:
+    """Raw little-endian int64 bytes as an `[n, width]` array (`ProtocolError` if ragged)."""
+    from .errors import ProtocolError
+
+    if len(data) % (8 * width):
+        raise ProtocolError(f"{what}: {len(data)} B is not a whole number of {width}-int rows")
+    return np.frombuffer(data, dtype="<i8").reshape(-1, width).astype(np.int64)
+
+
+def recv_control(sock: socket.socket) -> Any:
+    """One control message; a closed or reset socket is `PeerLostError`."""
+    return CONTROL.recv(sock)
+
+
+# -- NIXL agents ------------------------------------------------------------------
+
+def make_agent(name: str, tls: str) -> nixl_agent:
+    """A NIXL agent with one UCX backend restricted to transports `tls`, and no threads of its own.
+
+    No NIXL progress thread and no listener thread: our progress thread is
+    the only caller that makes UCX progress, which is what lets `drop_peer`
+    stop a peer's bytes (see `nixl.py`). The UCX transport list goes in as a
+    backend parameter, never through the environment: another library in
+    the process may use UCX differently.
+    """
+    config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
+    try:
+        agent = nixl_agent(name, config)
+        agent.create_backend("UCX", {"engine_config": f"TLS={tls}", "ucx_error_handling_mode": "peer"})
+    except Exception as exc:
+        raise TransportError(
+            f"cannot start a NIXL agent with UCX transports {tls!r}: {exc}; "
+            "check the tls option (e.g. 'tcp') and that nixl-cu12 bundles UCX"
+        ) from exc
+    return agent
+
+
+def translate(exc: BaseException, what: str) -> TransportError:
+    """Our error for a NIXL exception raised while doing `what` (raise it `from exc`)."""
+    if isinstance(exc, TransportError):
+        return exc
+    if isinstance(exc, nixl_bindings.nixlRemoteDisconnectError):
+        return PeerLostError(f"{what}: the peer disconnected ({exc})")
+    if isinstance(exc, nixl_bindings.nixlNotFoundError):
+        return RegistrationError(
+            f"{what}: NIXL does not know the memory named ({exc}); "
+            "register the buffer, or reconnect to refresh the peer's metadata"
+        )
+    return TransportError(f"{what} failed in NIXL: {type(exc).__name__}: {exc}")
