@@ -45,12 +45,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Capabilities, Connection, LocalRegion, NotifyHandler, TransportEngine
+from .base import Capabilities, LocalRegion, NotifyHandler, TransportEngine
 from .errors import CapabilityError, ClosedError, PeerLostError, RegistrationError, TransportError
 from .nixl_conn import NixlConnection
 from .nixl_peer import InboundPeer
 from .nixl_progress import Progress, lost
 from .nixl_wire import Welcome, make_agent, translate
+from .peering import SocketPeers
 from .regions import Region, RegionTable
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class _Send:
         self.conn, self.xfer, self.tries = conn, xfer, 0
 
 
-class NixlEngine(TransportEngine):
+class NixlEngine(SocketPeers, TransportEngine):
     """A nixl transport engine: one initiating agent, a control listener, links both ways."""
 
     name = "nixl"
@@ -180,38 +181,8 @@ class NixlEngine(TransportEngine):
             return list(self._live.values())
 
     # -- peers --------------------------------------------------------------
-    def address(self) -> dict[str, Any]:
-        return {"backend": self.name, "engine": self.engine_id, "host": self._host, "port": self._port}
-
-    def connect(self, peer_address: dict[str, Any]) -> Connection:
-        self._check_open()
-        addr = peer_address if isinstance(peer_address, dict) else {}
-        host, port, peer = addr.get("host"), addr.get("port"), addr.get("engine")
-        if (addr.get("backend") != self.name or not isinstance(host, str)
-                or not isinstance(peer, str) or isinstance(port, bool) or not isinstance(port, int)):
-            raise RegistrationError(
-                f"not a nixl address: {peer_address!r}; pass the peer engine's address() "
-                "(backend, engine, host, port)"
-            )
-        with self._lock:
-            conn = self._outbound.get(peer)
-            if conn is not None and conn.alive:
-                return conn
-        fresh = NixlConnection(self, host, port, peer)
-        with self._lock:
-            closed = self._closed
-            current = self._outbound.get(peer)
-            spare = None
-            if not closed and current is not None and current.alive:
-                fresh, spare = current, fresh  # another thread connected meanwhile
-            elif not closed:
-                self._outbound[peer] = fresh
-        if closed:
-            fresh.close()
-            raise ClosedError(f"nixl engine {self.engine_id} closed while connecting")
-        if spare is not None:
-            spare.close()
-        return fresh
+    def _new_connection(self, host: str, port: int, peer: str) -> NixlConnection:
+        return NixlConnection(self, host, port, peer)
 
     def _load_metadata(self, metadata: bytes, expected: str) -> str:
         """Load a peer agent's metadata into our agent; its name must be `expected`."""
@@ -225,18 +196,6 @@ class NixlEngine(TransportEngine):
         if name != expected:
             raise RegistrationError(f"peer metadata is for agent {name!r}, expected {expected!r}")
         return name
-
-    def set_notify_handler(self, handler: NotifyHandler | None) -> None:
-        self._handler = handler
-
-    def _deliver(self, sender: str | None, payload: bytes) -> None:
-        handler = self._handler
-        if handler is None or self._closed or sender is None:
-            return
-        try:
-            handler(sender, payload)
-        except Exception:  # the handler is the caller's code; its bug must not kill the link
-            log.exception("notify handler raised for a payload from %s", sender)
 
     def drop_peer(self, engine_id: str) -> None:
         if self.tls not in FENCEABLE_TLS:

@@ -27,12 +27,12 @@ import os
 import socket
 import threading
 import uuid
-from typing import Any
 
 import torch
 
-from .base import Capabilities, Connection, LocalRegion, NotifyHandler, TransportEngine
-from .errors import ClosedError, PeerLostError, ProtocolError, RegistrationError, TransportError
+from .base import Capabilities, LocalRegion, NotifyHandler, TransportEngine
+from .errors import ClosedError, PeerLostError, ProtocolError, TransportError
+from .peering import SocketPeers
 from .regions import RegionTable
 from .tcp_recv import MAX_STREAMS, InboundStream, LinkState
 from .tcp_send import TcpConnection, tune
@@ -45,7 +45,7 @@ def default_streams() -> int:
     return min(8, max(2, os.cpu_count() or 2))
 
 
-class TcpEngine(TransportEngine):
+class TcpEngine(SocketPeers, TransportEngine):
     """A tcp transport engine: listener, inbound streams and outbound striped links."""
 
     name = "tcp"
@@ -106,56 +106,8 @@ class TcpEngine(TransportEngine):
         self.regions.deregister(region)
 
     # -- peers --------------------------------------------------------------
-    def address(self) -> dict[str, Any]:
-        return {"backend": self.name, "engine": self.engine_id, "host": self._host, "port": self._port}
-
-    def connect(self, peer_address: dict[str, Any]) -> Connection:
-        self._check_open()
-        addr = peer_address if isinstance(peer_address, dict) else {}
-        host, port, peer = addr.get("host"), addr.get("port"), addr.get("engine")
-        if (addr.get("backend") != self.name or not isinstance(host, str)
-                or not isinstance(peer, str) or isinstance(port, bool) or not isinstance(port, int)):
-            raise RegistrationError(
-                f"not a tcp address: {peer_address!r}; pass the peer engine's address() "
-                "(backend, engine, host, port)"
-            )
-        with self._lock:
-            conn = self._outbound.get(peer)
-            if conn is not None and conn.alive:
-                return conn
-        if conn is not None:
-            conn.close()  # a dead link: release its sockets and threads
-        fresh = TcpConnection(self, host, port, peer, self.streams)
-        with self._lock:
-            if self._closed:
-                closed = True
-            else:
-                closed = False
-                current = self._outbound.get(peer)
-                if current is not None and current.alive and current is not conn:
-                    # another thread connected meanwhile: keep one link per peer
-                    fresh, spare = current, fresh
-                else:
-                    spare = None
-                    self._outbound[peer] = fresh
-        if closed:
-            fresh.close()
-            raise ClosedError(f"tcp engine {self.engine_id} closed while connecting")
-        if spare is not None:
-            spare.close()
-        return fresh
-
-    def set_notify_handler(self, handler: NotifyHandler | None) -> None:
-        self._handler = handler
-
-    def _deliver(self, sender: str | None, payload: bytes) -> None:
-        handler = self._handler
-        if handler is None or self._closed or sender is None:
-            return
-        try:
-            handler(sender, payload)
-        except Exception:  # the handler is the caller's code; its bug must not kill the link
-            log.exception("notify handler raised for a payload from %s", sender)
+    def _new_connection(self, host: str, port: int, peer: str) -> TcpConnection:
+        return TcpConnection(self, host, port, peer, self.streams)
 
     def drop_peer(self, engine_id: str) -> None:
         # Streams still in their handshake have no sender yet and have written
