@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from layout import (  # noqa: E402
+from pdxfer.layout import (  # noqa: E402
     EntryField,
     EntryMajorArena,
     LayerMajorArena,

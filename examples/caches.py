@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from layout import EntryField, EntryMajorArena, LayerMajorArena, plan_segments
+from pdxfer.layout import EntryField, EntryMajorArena, LayerMajorArena, plan_segments
 
 from .model import ModelConfig
 

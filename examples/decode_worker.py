@@ -28,8 +28,9 @@ import threading
 import time
 from typing import Any
 
+from pdxfer.transport.errors import PeerLostError, TransferTimeout
+
 from pdxfer import DecodeEngine, KVPoll, PdxferError, RequestFailed
-from transport.errors import PeerLostError, TransferTimeout
 
 from .caches import POOLS, ModelCaches, PoolExhausted, decode_counts, prefill_counts
 from .model import HybridModel, ModelConfig, deterministic_torch

@@ -31,8 +31,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-import transport
-from transport.errors import PeerLostError, TransferTimeout
+from pdxfer.transport.errors import PeerLostError, TransferTimeout
+
+from pdxfer import transport
 
 from .caches import PoolSizes, decode_counts
 from .launching import WorkerHandle, WorkerStartError, spawn_worker, start_in_process

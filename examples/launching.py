@@ -27,9 +27,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from .serving import parse_ready
+
+# The checkout that holds `examples/` (not installed; workers run from here).
+_CHECKOUT = str(Path(__file__).resolve().parents[1])
 
 _STOP_GRACE_S = 5.0
 
@@ -56,8 +60,10 @@ class ProcessWorker:
         # stdout is a pipe only for the readiness line; stderr is inherited so
         # a worker's errors reach whoever runs the launcher. stdin is a pipe we
         # never write: its EOF is how the worker learns this process is gone.
+        # `examples` is not an installed package: run the worker from the
+        # checkout that holds it, whatever directory the launcher was run from.
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
+                                     text=True, bufsize=1, cwd=_CHECKOUT)
         try:
             self.info = self._await_ready(startup_timeout)
         except BaseException:

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from transport.errors import PeerLostError, ProtocolError, TransferTimeout
-from transport.wire import ErrorMessage, Protocol
+from pdxfer.transport.errors import PeerLostError, ProtocolError, TransferTimeout
+from pdxfer.transport.wire import ErrorMessage, Protocol
 
 
 @dataclass(frozen=True)

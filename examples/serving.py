@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import transport
-from pdxfer import EngineConfig, RequestError, RequestFailed
-from transport.errors import TransferTimeout
+from pdxfer.transport.errors import TransferTimeout
+
+from pdxfer import EngineConfig, RequestError, RequestFailed, transport
 
 from .caches import PoolSizes
 

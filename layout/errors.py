@@ -5,7 +5,7 @@ only package everything else may import: `transport` and `pdxfer` derive their
 own families from `PdxferError`, so a serving engine can catch one class and
 know it caught all of ours and nothing of anyone else's.
 
-`LayoutError` is also a `ValueError`: the seed's arithmetic refuses bad
+`LayoutError` is also a `ValueError`: the entry-arena design's arithmetic refuses bad
 declarations with `ValueError`, and callers written against that keep working.
 """
 

@@ -37,8 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-import layout
-import transport
+from pdxfer import layout, transport
 
 from .config import EngineConfig, KVPoll
 from .decode import DecodeEngine

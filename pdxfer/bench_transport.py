@@ -41,7 +41,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-import transport
+from pdxfer import transport
 
 MiB = 1 << 20
 SEGMENTS = (4 * MiB, 64 * 1024, 4 * 1024)

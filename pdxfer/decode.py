@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-import layout
-from transport.errors import CapabilityError, PeerLostError, ProtocolError, TransferTimeout
+from pdxfer import layout
+from pdxfer.transport.errors import CapabilityError, PeerLostError, ProtocolError, TransferTimeout
 
 from .config import EngineConfig, KVPoll
 from .engine import Engine

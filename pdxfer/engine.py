@@ -22,7 +22,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-import transport
+from pdxfer import transport
 
 from .config import EngineConfig, KVPoll, RequestStats
 from .errors import ClosedError, ConfigError

@@ -7,8 +7,8 @@ re-exported unchanged rather than wrapped, so a caller catching
 
 from __future__ import annotations
 
-from layout.errors import LayoutError, PdxferError
-from transport.errors import (
+from pdxfer.layout.errors import LayoutError, PdxferError
+from pdxfer.transport.errors import (
     BoundsError,
     CapabilityError,
     ClosedError,

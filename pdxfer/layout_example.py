@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from layout import (
+from pdxfer.layout import (
     EntryField,
     EntryMajorArena,
     LayerMajorArena,

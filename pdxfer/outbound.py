@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-import layout
-from transport.base import Connection
-from transport.errors import ClosedError, PeerLostError, TransferTimeout, TransportError
+from pdxfer import layout
+from pdxfer.transport.base import Connection
+from pdxfer.transport.errors import ClosedError, PeerLostError, TransferTimeout, TransportError
 
 from .config import KVPoll
 from .errors import LayoutError, RequestError

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-import layout
-from transport.base import LocalRegion, TransportEngine
-from transport.errors import ProtocolError, RegistrationError
+from pdxfer import layout
+from pdxfer.transport.base import LocalRegion, TransportEngine
+from pdxfer.transport.errors import ProtocolError, RegistrationError
 
 from .errors import LayoutMismatchError, RequestError
 

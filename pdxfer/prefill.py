@@ -31,8 +31,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import layout
-from transport.errors import PeerLostError, ProtocolError, TransportError
+from pdxfer import layout
+from pdxfer.transport.errors import PeerLostError, ProtocolError, TransportError
 
 from .config import EngineConfig, KVPoll
 from .engine import Engine

@@ -37,8 +37,8 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from transport.errors import ProtocolError
-from transport.wire import LENGTH, Protocol
+from pdxfer.transport.errors import ProtocolError
+from pdxfer.transport.wire import LENGTH, Protocol
 
 VERSION = 1
 # A Hello carries every pool's description and every region descriptor; 4 MiB

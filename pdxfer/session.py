@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from transport.errors import ProtocolError
-from transport.wire import LENGTH, ErrorMessage
+from pdxfer.transport.errors import ProtocolError
+from pdxfer.transport.wire import LENGTH, ErrorMessage
 
 from .errors import RequestError
 from .progress import Progress

@@ -1,7 +1,8 @@
 """Dependencies point one way: layout <- transport <- pdxfer <- examples.
 
-Checked from the source text (imports parsed by `ast`), so a stray import is
-caught even when it sits in a branch no other test executes.
+Checked from the source text (imports parsed by `ast`, relative ones resolved
+against the name each folder installs as), so a stray import is caught even
+when it sits in a branch no other test executes.
 """
 
 from __future__ import annotations
@@ -13,24 +14,37 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# package -> the project packages it may import. `transport` may import only
-# the error root from `layout`: it knows byte ranges, never fields.
+# folder -> the package name it installs as (pyproject's package-dir mapping).
+INSTALLED = {"layout": "pdxfer.layout", "transport": "pdxfer.transport", "pdxfer": "pdxfer"}
+
+# folder -> the project modules it may import. `transport` may import only the
+# error root from `layout`: it knows byte ranges, never fields.
 ALLOWED = {
-    "layout": {"layout"},
-    "transport": {"transport", "layout.errors"},
-    "pdxfer": {"pdxfer", "transport", "layout"},
+    "layout": {"pdxfer.layout"},
+    "transport": {"pdxfer.transport", "pdxfer.layout.errors"},
+    "pdxfer": {"pdxfer"},
 }
-PROJECT = {"layout", "transport", "pdxfer", "examples"}
+# Names that were top-level packages before they moved under `pdxfer`; an
+# import of one is always wrong now (it would only work from a checkout).
+RETIRED = {"layout", "transport"}
 
 
-def _imports(path: Path) -> list[str]:
+def _imports(path: Path, package: str) -> list[str]:
+    """Absolute module names imported by `path`, a module of `package`."""
     tree = ast.parse(path.read_text(), filename=str(path))
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                base = node.module or ""
+            else:
+                parts = package.split(".")
+                anchor = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            names = [f"{base}.{a.name}" for a in node.names] if not node.module else [base]
+            out += names
     return out
 
 
@@ -38,24 +52,46 @@ def _allowed(name: str, allowed: set[str]) -> bool:
     return any(name == a or name.startswith(a + ".") for a in allowed)
 
 
-@pytest.mark.parametrize("package", sorted(ALLOWED))
-def test_package_imports_only_downstream(package: str) -> None:
-    files = sorted((ROOT / package).glob("*.py"))
-    assert files, f"no modules found under {package}/"
+def _project(name: str) -> bool:
+    return name.split(".")[0] in {"pdxfer", "examples"} | RETIRED
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_package_imports_only_downstream(folder: str) -> None:
+    files = sorted((ROOT / folder).glob("*.py"))
+    assert files, f"no modules found under {folder}/"
     bad = [
         f"{f.name} imports {name}"
         for f in files
-        for name in _imports(f)
-        if name.split(".")[0] in PROJECT and not _allowed(name, ALLOWED[package])
+        for name in _imports(f, INSTALLED[folder])
+        if _project(name) and not _allowed(name, ALLOWED[folder])
     ]
-    assert not bad, f"{package} breaks the dependency direction: {bad}"
+    assert not bad, f"{folder}/ breaks the dependency direction: {bad}"
+
+
+@pytest.mark.parametrize("folder", ["layout", "transport", "pdxfer", "examples", "tests"])
+def test_no_import_of_a_retired_top_level_name(folder: str) -> None:
+    files = sorted((ROOT / folder).rglob("*.py"))
+    bad = [
+        f"{f.relative_to(ROOT)} imports {name}"
+        for f in files
+        for name in _imports(f, INSTALLED.get(folder, folder))
+        if name.split(".")[0] in RETIRED
+    ]
+    assert not bad, f"import these as pdxfer.layout / pdxfer.transport: {bad}"
 
 
 def test_checker_flags_a_wrong_way_import(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("import pdxfer.engine\nfrom transport.tcp import TcpEngine\n")
-    names = _imports(probe)
-    assert names == ["pdxfer.engine", "transport.tcp"]
+    probe.write_text(
+        "import pdxfer.engine\nfrom pdxfer.transport.tcp import TcpEngine\n"
+        "from ..transport import base\nfrom .fields import EntryField\n"
+    )
+    names = _imports(probe, "pdxfer.layout")
+    assert names == ["pdxfer.engine", "pdxfer.transport.tcp", "pdxfer.transport",
+                     "pdxfer.layout.fields"]
     assert not _allowed("pdxfer.engine", ALLOWED["layout"])
-    assert _allowed("layout.errors", ALLOWED["transport"])
-    assert not _allowed("layout.fields", ALLOWED["transport"])
+    assert not _allowed("pdxfer.transport", ALLOWED["layout"])
+    assert _allowed("pdxfer.layout.fields", ALLOWED["layout"])
+    assert _allowed("pdxfer.layout.errors", ALLOWED["transport"])
+    assert not _allowed("pdxfer.layout.fields", ALLOWED["transport"])

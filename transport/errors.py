@@ -9,7 +9,7 @@ Nothing here is ever returned as a code.
 
 from __future__ import annotations
 
-from layout.errors import PdxferError
+from pdxfer.layout.errors import PdxferError
 
 
 class TransportError(PdxferError):

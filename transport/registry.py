@@ -16,9 +16,9 @@ from .errors import CapabilityError
 
 # name -> (module, class, how to get it). Adding a backend is one line here.
 _BACKENDS: dict[str, tuple[str, str, str]] = {
-    "loopback": ("transport.loopback", "LoopbackEngine", "built in"),
-    "tcp": ("transport.tcp", "TcpEngine", "built in"),
-    "nixl": ("transport.nixl", "NixlEngine", "pip install nixl-cu12 (bundles UCX)"),
+    "loopback": (".loopback", "LoopbackEngine", "built in"),
+    "tcp": (".tcp", "TcpEngine", "built in"),
+    "nixl": (".nixl", "NixlEngine", "pip install nixl-cu12 (bundles UCX)"),
 }
 
 
@@ -29,7 +29,7 @@ def _load(name: str) -> type[TransportEngine]:
         )
     module, cls, hint = _BACKENDS[name]
     try:
-        return getattr(importlib.import_module(module), cls)
+        return getattr(importlib.import_module(module, __package__), cls)
     except ImportError as exc:
         raise CapabilityError(f"transport {name!r} is not installed ({hint}): {exc}") from exc
 

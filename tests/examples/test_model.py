@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from pdxfer.layout import plan_segments
 
 from examples.caches import (
     POOLS,
@@ -27,7 +28,6 @@ from examples.caches import (
 )
 from examples.model import HybridModel, ModelConfig, deterministic_torch
 from examples.reference import reference_generate
-from layout import plan_segments
 
 deterministic_torch()
 CFG = ModelConfig()

@@ -14,6 +14,8 @@ import threading
 import time
 
 import pytest
+from pdxfer.transport.errors import PeerLostError, ProtocolError
+from pdxfer.transport.wire import ErrorMessage
 
 from examples import launch_pd
 from examples.caches import PoolSizes
@@ -32,8 +34,6 @@ from examples.rpc import (
     parse_hostport,
 )
 from examples.serving import WorkerOptions
-from transport.errors import PeerLostError, ProtocolError
-from transport.wire import ErrorMessage
 
 OPTS = WorkerOptions(transport="loopback", sizes=PoolSizes(kv_pages=8, state_entries=2),
                      timeout=3.0)

@@ -13,8 +13,7 @@ import numpy as np
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-
-from layout import EntryField
+from pdxfer.layout import EntryField
 
 # Small example counts and no deadline: the whole layout suite must stay fast
 # on a shared 2-core machine, and torch's first call per dtype is slow.
@@ -49,7 +48,7 @@ def field_lists(draw: st.DrawFn, min_size: int = 0, max_size: int = 5) -> list[E
 
 
 def extents_by_hand(fields: list[EntryField]) -> list[tuple[int, int]]:
-    """`[start, end)` of each field, placed by the rule stated in the seed."""
+    """`[start, end)` of each field, placed by the entry-arena design's align-place-advance rule."""
     out, offset = [], 0
     for f in fields:
         align = max(256, f.align)

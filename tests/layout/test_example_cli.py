@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 import torch
+from pdxfer.layout import EntryMajorArena, LayerMajorArena, describe, fingerprint, plan_segments
 
-from layout import EntryMajorArena, LayerMajorArena, describe, fingerprint, plan_segments
 from pdxfer import cli, layout_example
 
 

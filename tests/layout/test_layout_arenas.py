@@ -8,8 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from layout_strategies import FAST, field_bytes, field_lists, pattern
-
-from layout import (
+from pdxfer.layout import (
     EntryField,
     EntryMajorArena,
     LayerMajorArena,
@@ -135,7 +134,7 @@ def test_carve_layer_major_places_groups_on_their_strictest_alignment() -> None:
     wide = [EntryField("rows", 1, (16,), torch.float16, align=512)]
     sizes = [entry_bytes_for(small), entry_bytes_for(wide)]
     naive, _ = plan_regions(sizes)
-    assert naive[1] % 512  # the seed's placement would be off the 512 B boundary
+    assert naive[1] % 512  # an unaligned placement would be off the 512 B boundary
     offsets, total = plan_regions(sizes, [256, 512])
     buf = torch.zeros(total, dtype=torch.uint8)
     a, b, none = carve_layer_major([small, wide, []], 1, "cpu", buf=buf)

@@ -15,8 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from layout_strategies import FAST, field_lists
-
-from layout import (
+from pdxfer.layout import (
     EntryField,
     EntryMajorArena,
     LayerMajorArena,
@@ -80,7 +79,7 @@ def test_entry_counts_are_not_part_of_the_format() -> None:
 
 def test_fingerprint_is_stable_across_processes() -> None:
     code = (
-        "import torch, layout\n"
+        "import torch\nfrom pdxfer import layout\n"
         "from test_layout_describe import pool_fields\n"
         "print(layout.fingerprint(layout.describe(layout.EntryMajorArena(pool_fields(), 5, 'meta'))))\n"
     )

@@ -10,8 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from layout_strategies import FAST, extents_by_hand, field_lists
-
-from layout import (
+from pdxfer.layout import (
     EntryField,
     LayoutError,
     carve,

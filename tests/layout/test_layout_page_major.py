@@ -1,7 +1,7 @@
 """Page-major pools put every byte where SGLang's builders put it.
 
 The reference below is SGLang's placement written as an address formula per
-element (from the seed's docstrings and strides), independent of our views:
+element (from SGLang's page-major docstrings and strides), independent of our views:
 values are written through our views and read back from the raw bytes at the
 reference addresses, and the views together must tile the pool exactly.
 """
@@ -17,8 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from layout_strategies import FAST
-
-from layout import (
+from pdxfer.layout import (
     LayoutError,
     PageMajorMambaArena,
     PageMajorMHAArena,

@@ -14,8 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from layout_strategies import FAST, expand, field_lists
-
-from layout import (
+from pdxfer.layout import (
     EntryField,
     EntryMajorArena,
     LayerMajorArena,

@@ -15,9 +15,7 @@ import zlib
 import numpy as np
 import torch
 
-import layout
-import transport
-from pdxfer import EngineConfig
+from pdxfer import EngineConfig, layout, transport
 
 # Every backend present: each engine test runs over all of them (the conftest fixtures).
 BACKENDS = transport.available()

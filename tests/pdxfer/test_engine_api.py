@@ -8,6 +8,8 @@ import struct
 
 import numpy as np
 import pytest
+from pdxfer.transport.errors import ProtocolError, TransferTimeout
+from pdxfer.transport.wire import LENGTH
 from pdxfer_testkit import BACKENDS, build_pools, config
 
 import pdxfer
@@ -32,8 +34,6 @@ from pdxfer.protocol import (
     unpack_indices,
 )
 from pdxfer.session import parse_address
-from transport.errors import ProtocolError, TransferTimeout
-from transport.wire import LENGTH
 
 
 def test_public_api_is_pinned() -> None:
@@ -57,7 +57,7 @@ def test_every_exported_error_derives_from_the_one_root() -> None:
     assert len(errors) == 14
     for cls in errors:
         assert issubclass(cls, PdxferError), cls
-    # The layout family keeps the seed's ValueError, and so do bounds and config refusals.
+    # The layout family keeps ValueError (as the entry-arena design does), and so do bounds and config refusals.
     for cls in (pdxfer.LayoutError, pdxfer.BoundsError, ConfigError):
         assert issubclass(cls, ValueError)
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 from pdxfer_testkit import KV_FIELDS, assert_buffers, build_pools, config, expected_after, snapshot
 
-import layout
 from pdxfer import (
     DecodeEngine,
     KVPoll,
@@ -23,6 +22,7 @@ from pdxfer import (
     RequestError,
     RequestFailed,
     TransferTimeout,
+    layout,
 )
 
 WAIT = 10.0

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from pdxfer.transport.errors import RegistrationError
 from pdxfer_testkit import (
     STATE_FIELDS,
     assert_buffers,
@@ -19,10 +20,7 @@ from pdxfer_testkit import (
     snapshot,
 )
 
-import layout
-import transport
-from pdxfer import DecodeEngine, KVPoll, PrefillEngine, RequestStats
-from transport.errors import RegistrationError
+from pdxfer import DecodeEngine, KVPoll, PrefillEngine, RequestStats, layout, transport
 
 WAIT = 20.0
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from transport_rig import Rig
 
-import transport
+from pdxfer import transport
 
 
 @pytest.fixture(params=transport.available())

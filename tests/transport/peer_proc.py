@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import msgpack  # noqa: E402
 import torch  # noqa: E402
 
-import transport  # noqa: E402
+from pdxfer import transport  # noqa: E402
 
 
 def main(backend: str, nbytes: int) -> None:

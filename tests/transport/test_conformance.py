@@ -22,11 +22,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from segment_tables import CANARY, assert_landed, random_table
-from transport_rig import DST_BYTES, SRC_BYTES, WAIT, Gate, Rig
-
-import transport
-from transport import (
+from pdxfer.transport import (
     BoundsError,
     CapabilityError,
     ClosedError,
@@ -35,6 +31,10 @@ from transport import (
     RegistrationError,
     TransferTimeout,
 )
+from segment_tables import CANARY, assert_landed, random_table
+from transport_rig import DST_BYTES, SRC_BYTES, WAIT, Gate, Rig
+
+from pdxfer import transport
 
 
 def test_builtin_backends_are_available() -> None:

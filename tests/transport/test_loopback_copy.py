@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pdxfer.transport import copying
+from pdxfer.transport.copying import CopyPool, coalesce, plan
 from segment_tables import CANARY, assert_landed, random_table
-
-from transport import copying
-from transport.copying import CopyPool, coalesce, plan
 
 N = 1 << 20
 

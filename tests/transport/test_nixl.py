@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from pdxfer.transport import CapabilityError, ProtocolError, RegistrationError, TransportError
 from segment_tables import CANARY, assert_landed
 from transport_rig import WAIT, Rig
 
-import transport
-from transport import CapabilityError, ProtocolError, RegistrationError, TransportError
+from pdxfer import transport
 
 pytestmark = pytest.mark.skipif(
     "nixl" not in transport.available(), reason="nixl-cu12 is not installed (pip install nixl-cu12)"
@@ -86,7 +86,7 @@ def test_unknown_ucx_transport_is_a_clear_error() -> None:
 
 
 def test_notification_frames_round_trip_and_refuse_garbage() -> None:
-    from transport.nixl_wire import pack_note, unpack_note
+    from pdxfer.transport.nixl_wire import pack_note, unpack_note
 
     note = unpack_note(pack_note(7, b"payload"))
     assert (note.seq, note.payload) == (7, b"payload")

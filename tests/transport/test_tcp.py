@@ -8,12 +8,12 @@ import threading
 import numpy as np
 import pytest
 import torch
+from pdxfer.transport import TransportError
+from pdxfer.transport.segments import split_rows
+from pdxfer.transport.tcp_io import IOV_MAX, STRIPE_MIN, batches, plan_stripes, recv_all, send_all
 from segment_tables import CANARY, assert_landed, random_table
 
-import transport
-from transport import TransportError
-from transport.segments import split_rows
-from transport.tcp_io import IOV_MAX, STRIPE_MIN, batches, plan_stripes, recv_all, send_all
+from pdxfer import transport
 
 
 def test_listens_on_loopback_unless_told_otherwise() -> None:

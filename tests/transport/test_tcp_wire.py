@@ -19,12 +19,20 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from pdxfer.transport import PeerLostError, ProtocolError
+from pdxfer.transport.tcp_wire import (
+    PROTOCOL,
+    VERSION,
+    Hello,
+    Refused,
+    Segments,
+    StripeEnd,
+    Welcome,
+)
+from pdxfer.transport.wire import LENGTH, ErrorMessage
 from segment_tables import CANARY
 
-import transport
-from transport import PeerLostError, ProtocolError
-from transport.tcp_wire import PROTOCOL, VERSION, Hello, Refused, Segments, StripeEnd, Welcome
-from transport.wire import LENGTH, ErrorMessage
+from pdxfer import transport
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from segment_tables import CANARY
 
-import transport
+from pdxfer import transport
 
 OPTIONS: dict[str, dict] = {"tcp": {"streams": 2}}
 SRC_BYTES = 4 << 20
