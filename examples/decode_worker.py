@@ -59,6 +59,7 @@ from .serving import (
     check_prompt,
     logger,
     options_from_args,
+    parse_worker_args,
     serve_until_signalled,
 )
 
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_args(parser)
     parser.add_argument("--prefill", required=True, metavar="HOST:PORT",
                         help="the prefill worker's RPC address (its readiness line's 'rpc')")
-    args = parser.parse_args(argv)
+    args = parse_worker_args(parser, argv)
     deterministic_torch()
     worker = DecodeWorker(options_from_args(args, str(resolve_device(args.device))), args.prefill)
     announce_ready(worker.ready_info())

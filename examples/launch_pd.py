@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pdxfer.transport.errors import PeerLostError, TransferTimeout
 
 from pdxfer import transport
+from pdxfer.cliargs import bounded_int, device_name, positive_float
 
 from .caches import PoolSizes, decode_counts
 from .launching import WorkerHandle, WorkerStartError, spawn_worker, start_in_process
@@ -73,23 +74,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--transport", default="tcp",
                         help=f"pdxfer transport backend (installed: {', '.join(transport.available())})")
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=48)
-    parser.add_argument("--gen-len", type=int, default=8)
+    parser.add_argument("--requests", type=bounded_int(1), default=8)
+    parser.add_argument("--prompt-len", type=bounded_int(1), default=48)
+    parser.add_argument("--gen-len", type=bounded_int(1), default=8)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto")
-    parser.add_argument("--timeout", type=float, default=10.0,
+    parser.add_argument("--device", type=device_name, default="auto", help="cpu, cuda, or auto")
+    parser.add_argument("--timeout", type=positive_float, default=10.0,
                         help="seconds before a silent peer fails a request")
-    parser.add_argument("--kill-prefill-after", type=int, default=None, metavar="N",
+    parser.add_argument("--kill-prefill-after", type=bounded_int(0), default=None, metavar="N",
                         help="SIGKILL the prefill worker right after submitting request N")
     parser.add_argument("--verbose", action="store_true", help="workers log each request")
     args = parser.parse_args(argv)
     if args.transport not in transport.available():
         parser.error(f"transport {args.transport!r} is not installed here; "
                      f"choose one of {', '.join(transport.available())}")
-    for name in ("requests", "prompt_len", "gen_len"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.kill_prefill_after is not None and args.kill_prefill_after >= args.requests:
+        parser.error(f"--kill-prefill-after {args.kill_prefill_after} names no request; "
+                     f"requests are numbered 0..{args.requests - 1}")
     return args
 
 

@@ -48,6 +48,7 @@ from .rpc import (
     figures_to_wire,
 )
 from .serving import (
+    PORT,
     WorkerOptions,
     abort_and_release,
     add_worker_args,
@@ -55,6 +56,7 @@ from .serving import (
     check_prompt,
     logger,
     options_from_args,
+    parse_worker_args,
     serve_until_signalled,
 )
 
@@ -168,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.prefill_worker",
                                      description=__doc__.splitlines()[0])
     add_worker_args(parser)
-    parser.add_argument("--bootstrap-port", type=int, default=0,
+    parser.add_argument("--bootstrap-port", type=PORT, default=0,
                         help="port of the pdxfer bootstrap listener decode engines connect to")
-    args = parser.parse_args(argv)
+    args = parse_worker_args(parser, argv)
     deterministic_torch()
     worker = PrefillWorker(options_from_args(args, str(resolve_device(args.device))))
     announce_ready(worker.ready_info())

@@ -28,10 +28,12 @@ from typing import Any
 from pdxfer.transport.errors import TransferTimeout
 
 from pdxfer import EngineConfig, RequestError, RequestFailed, transport
+from pdxfer.cliargs import bounded_int, check_ports_free, device_name, positive_float
 
 from .caches import PoolSizes
 
 READY_PREFIX = "PDXFER_EXAMPLE_READY "
+PORT = bounded_int(0, 65535)
 
 
 @dataclass(frozen=True)
@@ -72,22 +74,36 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     """The options both workers accept."""
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind the RPC (and, for prefill, pdxfer) listeners to")
-    parser.add_argument("--port", type=int, default=0, help="RPC port; 0 picks a free one")
+    parser.add_argument("--port", type=PORT, default=0, help="RPC port; 0 picks a free one")
     parser.add_argument("--transport", default="tcp", help="pdxfer transport backend")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if present)")
-    parser.add_argument("--kv-pages", type=int, default=PoolSizes.kv_pages,
+    parser.add_argument("--device", type=device_name, default="auto",
+                        help="cpu, cuda, or auto (cuda if present)")
+    parser.add_argument("--kv-pages", type=bounded_int(1), default=PoolSizes.kv_pages,
                         help="pages in the paged-KV pool")
-    parser.add_argument("--state-entries", type=int, default=PoolSizes.state_entries,
+    parser.add_argument("--state-entries", type=bounded_int(1), default=PoolSizes.state_entries,
                         help="entries in the per-request state and aux pools")
-    parser.add_argument("--data-port", type=int, default=0,
+    parser.add_argument("--data-port", type=PORT, default=0,
                         help="port of the transport's data listener (tcp: the decode side's "
                         "is where prefill pushes cache bytes); 0 picks a free one")
-    parser.add_argument("--timeout", type=float, default=10.0,
+    parser.add_argument("--timeout", type=positive_float, default=10.0,
                         help="seconds before a silent peer fails a request")
     parser.add_argument("--verbose", action="store_true", help="log each request to stderr")
     parser.add_argument("--die-with-parent", action="store_true",
                         help="exit when stdin closes (the launcher uses this so that no "
                         "worker outlives it, however it ends)")
+
+
+def parse_worker_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse a worker's command line, refusing a fixed port that is taken by its flag's name."""
+    args = parser.parse_args(argv)
+    if args.transport not in transport.available():
+        parser.error(f"transport {args.transport!r} is not installed here; "
+                     f"choose one of {', '.join(transport.available())}")
+    check_ports_free(parser, args.host, {
+        "--port": args.port, "--bootstrap-port": getattr(args, "bootstrap_port", 0),
+        "--data-port": args.data_port,
+    })
+    return args
 
 
 def cross_process(name: str) -> bool:

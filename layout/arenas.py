@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .checks import _check_names, too_small
 from .errors import LayoutError
 from .fields import (
     _ALIGN,
@@ -42,16 +43,6 @@ from .fields import (
 )
 
 
-def _check_names(fields: Sequence[EntryField]) -> None:
-    for field in fields:
-        if not isinstance(field, EntryField):
-            raise LayoutError(f"fields must be EntryField, got {type(field).__name__}")
-    names = [f.name for f in fields]
-    if len(set(names)) != len(names):
-        dups = sorted({n for n in names if names.count(n) > 1})
-        raise LayoutError(f"duplicate field names {dups} in {names}; every field needs its own name")
-
-
 class EntryMajorArena:
     """`entries` fixed-size entries, one `slot_stride` apart, each contiguous.
 
@@ -60,6 +51,16 @@ class EntryMajorArena:
     Then `live_entries` (counted from the END of the index range, since a pool
     that grows takes the next index down) says which entries are really the
     caller's; nothing outside them is ever written, fills included.
+
+    Fill behaviour (`fill`): an arena that allocates its buffer zeroes it and
+    writes every field's declared `fill` into the live entries. An arena over
+    a caller's `buf` (an engine's KV tensor, an IPC-imported pool) writes
+    NOTHING by default: wrapping memory must not change it, and that memory
+    may already hold cache. Pass `fill=True` to have the declared fills
+    written into the live entries of a caller's buffer (a freshly carved
+    plane), or `fill=False` to skip the fills of an owned buffer. Padding
+    bytes of a caller's buffer are whatever the caller left there, and they
+    travel with the entry.
     """
 
     kind = "entry_major"
@@ -72,12 +73,16 @@ class EntryMajorArena:
         buf: torch.Tensor | None = None,
         slot_stride: int | None = None,
         live_entries: int | None = None,
+        *,
+        fill: bool | None = None,
     ) -> None:
         # No fields is legal here (unlike `LayerMajorArena`): a plane is
         # addressed by index and still costs its rows even when
         # `plan_field_planes` leaves it empty.
+        if fill is not None and not isinstance(fill, bool):
+            raise LayoutError(f"fill must be True, False or None (fill iff owned), got {fill!r}")
         self._setup(fields, entries, device, buf, slot_stride, live_entries,
-                    base_align=_ALIGN, fill=True)
+                    base_align=_ALIGN, fill=buf is None if fill is None else fill)
 
     def _setup(
         self,
@@ -128,7 +133,9 @@ class EntryMajorArena:
             # an entry travels whole, so uninitialized padding would travel.
             self.buf = torch.zeros(want, dtype=torch.uint8, device=device)
         else:
-            # A carved buffer must already be zeroed for the same reason.
+            if isinstance(buf, torch.Tensor) and buf.dim() == 1 and buf.numel() < want:
+                raise LayoutError(too_small(self.fields, self.entries, self.entry_bytes,
+                                            self.slot_stride, buf.numel(), base_align))
             check_buffer(buf, want, self._align)
             self.buf = buf
         # Building every view validates every field against the buffer
@@ -350,6 +357,9 @@ class LayerMajorArena:
             for field in self.fields:
                 self.view(field.name).fill_(field.fill)
         else:
+            if isinstance(buf, torch.Tensor) and buf.dim() == 1 and buf.numel() < want:
+                raise LayoutError(too_small(self.fields, self.entries, self.entry_bytes,
+                                            self.entry_bytes, buf.numel(), _ALIGN))
             check_buffer(buf, want, self._align)
             unfillable = [f.name for f in self.fields if f.fill]
             if unfillable:

@@ -39,6 +39,7 @@ import torch
 
 from pdxfer import layout, transport
 
+from .cliargs import bounded_int
 from .config import EngineConfig, KVPoll
 from .decode import DecodeEngine
 from .prefill import PrefillEngine
@@ -187,11 +188,17 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print one markdown table."""
     parser = argparse.ArgumentParser(prog="pdxfer bench engine", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=2000, help="requests per configuration")
-    parser.add_argument("--batch", type=int, default=200, help="requests in flight per batch")
+    parser.add_argument("--requests", type=bounded_int(1), default=2000,
+                        help="requests per configuration (at least 1)")
+    parser.add_argument("--batch", type=bounded_int(1, 4096), default=200,
+                        help="requests in flight per batch (1..4096)")
     parser.add_argument("--backends", default=",".join(transport.available()),
                         help="comma-separated transports (default: all available)")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.backends.split(",")) - set(transport.available()))
+    if unknown:
+        parser.error(f"backends {unknown} are not installed; choose from "
+                     f"{', '.join(transport.available())}")
     reqs = _requests(args.requests, 4096, 256, seed=0)
     print(f"requests of {PAGES} KV pages ({layout.entry_bytes_for(KV_FIELDS) // 1024} KiB each) + 1 state "
           f"entry ({layout.entry_bytes_for(STATE_FIELDS) // 1024} KiB); {args.requests} requests, "

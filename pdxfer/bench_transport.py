@@ -43,6 +43,8 @@ import torch
 
 from pdxfer import transport
 
+from .cliargs import bounded_int
+
 MiB = 1 << 20
 SEGMENTS = (4 * MiB, 64 * 1024, 4 * 1024)
 
@@ -211,14 +213,13 @@ def _size(n: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `pdxfer bench transport`."""
     parser = argparse.ArgumentParser(prog="pdxfer bench transport", description=__doc__.split("\n")[0])
-    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per case (MiB)")
-    parser.add_argument("--reps", type=int, default=5, help="timed runs per figure (median)")
+    parser.add_argument("--total-mib", type=bounded_int(4, 1 << 16), default=256,
+                        help="bytes moved per case, MiB (4..65536: at least one 4 MiB segment)")
+    parser.add_argument("--reps", type=bounded_int(1), default=5, help="timed runs per figure (median)")
     parser.add_argument("--quick", action="store_true", help="32 MiB per case, for a smoke run")
     parser.add_argument("--backends", default=None,
                         help="comma-separated backends (default: every installed one)")
     args = parser.parse_args(argv)
-    if args.reps < 1:
-        parser.error("--reps must be at least 1")
     total = (32 if args.quick else args.total_mib) * MiB
     installed = transport.available()
     backends = installed if args.backends is None else [b for b in args.backends.split(",") if b]

@@ -3,8 +3,13 @@
 Each subcommand lives in the module that owns its topic and is imported only
 when asked for, so `pdxfer layout` does not pay for sockets and
 `pdxfer bench transport` does not pay for the PD engine. This module only
-parses and dispatches; it is also the one place (with the launchers) allowed
-to read environment variables.
+parses the command words and dispatches the rest of the line to the
+subcommand's own parser; it is also the one place (with the launchers)
+allowed to read environment variables.
+
+It behaves like a tool: a missing or unknown command word is argparse's
+usage error with exit status 2, `--help` exits 0, `--version` prints the
+installed version.
 """
 
 from __future__ import annotations
@@ -12,29 +17,73 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib import metadata
 
-# subcommand path -> (module, help). The module exposes `main(argv) -> int`.
-_COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("layout",): ("pdxfer.layout_example", "print the entry maps of an example hybrid model"),
-    ("bench", "transport"): ("pdxfer.bench_transport", "transport throughput vs memcpy and raw sockets"),
-    ("bench", "engine"): ("pdxfer.bench_engine", "PD engine requests/s and per-request overhead"),
+# command -> subcommand -> (module, help); "" is a command without subcommands.
+# Each module exposes `main(argv) -> int` with a parser of its own.
+_COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
+    "layout": {"": ("pdxfer.layout_example", "print the entry maps of an example hybrid model")},
+    "bench": {
+        "transport": ("pdxfer.bench_transport", "transport throughput vs memcpy and raw sockets"),
+        "engine": ("pdxfer.bench_engine", "PD engine requests/s and per-request overhead"),
+        "layouts": ("pdxfer.bench_layouts",
+                    "one model state shipped entry-major, layer-major and via a staging copy"),
+    },
 }
+
+
+def version() -> str:
+    """The installed distribution's version (what `pip show pdxfer` says)."""
+    try:
+        return metadata.version("pdxfer")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    if command is None:
+        parser = argparse.ArgumentParser(
+            prog="pdxfer", description="pdxfer: KV/state transfer for disaggregated serving",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog="commands:\n" + "\n".join(
+                f"  pdxfer {c}{' ' + s if s else ''}: {h}"
+                for c, subs in _COMMANDS.items() for s, (_, h) in subs.items()),
+        )
+        parser.add_argument("--version", action="version", version=f"pdxfer {version()}")
+        parser.add_argument("command", choices=list(_COMMANDS), help="what to run")
+    else:
+        subs = _COMMANDS[command]
+        parser = argparse.ArgumentParser(
+            prog=f"pdxfer {command}", formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog="\n".join(f"  pdxfer {command} {s}: {h}" for s, (_, h) in subs.items()),
+        )
+        parser.add_argument("which", choices=list(subs), help=f"which {command} to run")
+    return parser
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`argv` cut after its first word that is not an option: ours, and the rest.
+
+    The rest goes to the next parser untouched, so `pdxfer layout --help` is
+    the subcommand's help, not ours.
+    """
+    for i, arg in enumerate(argv):
+        if not arg.startswith("-"):
+            return argv[: i + 1], argv[i + 1:]
+    return argv, []
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pdxfer` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for path, (module, _) in sorted(_COMMANDS.items(), key=lambda kv: -len(kv[0])):
-        if tuple(argv[: len(path)]) == path:
-            rest = argv[len(path):]
-            return int(importlib.import_module(module).main(rest) or 0)
-    parser = argparse.ArgumentParser(prog="pdxfer", description="pdxfer command line")
-    parser.epilog = "commands:\n" + "\n".join(
-        f"  pdxfer {' '.join(p)}: {h}" for p, (_, h) in _COMMANDS.items()
-    )
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.parse_args(argv[:1] if argv and argv[0] in ("-h", "--help") else ["--help"])
-    return 2
+    head, rest = _split(list(sys.argv[1:] if argv is None else argv))
+    command = _parser().parse_args(head).command
+    subs = _COMMANDS[command]
+    if "" in subs:
+        module = subs[""][0]
+    else:
+        head, rest = _split(rest)
+        module = subs[_parser(command).parse_args(head).which][0]
+    return int(importlib.import_module(module).main(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from pdxfer.layout import (
     plan_segments,
 )
 
+from .cliargs import bounded_int
+
 _META = torch.device("meta")
 
 # The example model: 4 full-attention layers with paged MHA KV, 12 GDN layers
@@ -163,11 +165,18 @@ def build_report(pages: Sequence[int], slot: int) -> str:
 
 def _indices(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        pages = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
+    bad = [p for p in pages if not 0 <= p < PAGES]
+    if bad or not pages or len(set(pages)) != len(pages):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give 1..{PAGES} distinct pages, each 0..{PAGES - 1}"
+            + (f" ({bad[0]} is not)" if bad else "")
+        )
+    return pages
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,12 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--example", action="store_true", help="print the example model's pools")
     parser.add_argument(
         "--pages", type=_indices, default=[3, 4, 5, 9],
-        help="KV pages one request holds (comma-separated; default 3,4,5,9)",
+        help=f"KV pages one request holds, each 0..{PAGES - 1} (comma-separated; default 3,4,5,9)",
     )
-    parser.add_argument("--slot", type=int, default=5, help="the request's state slot")
+    parser.add_argument("--slot", type=bounded_int(0, STATE_SLOTS - 1), default=5,
+                        help=f"the request's state slot, 0..{STATE_SLOTS - 1}")
     args = parser.parse_args(argv)
     if not args.example:
-        parser.print_help()
-        return 2
+        # The only report there is today; saying so beats printing a bare usage.
+        parser.error("nothing to print: pass --example to print the example model's pools "
+                     "(the only layout report so far)")
     print(build_report(args.pages, args.slot))
     return 0

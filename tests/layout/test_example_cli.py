@@ -48,8 +48,10 @@ def test_example_segment_counts_match_plan_segments(capsys: pytest.CaptureFixtur
     assert layer_major == plan_segments(layer, src, dst)[0].shape[0] == 2 * layout_example.ATTN_LAYERS * 2
 
 
-def test_layout_without_example_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
-    assert layout_example.main([]) == 2
-    assert "--example" in capsys.readouterr().out
+def test_layout_without_example_says_what_it_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        layout_example.main([])
+    assert exc.value.code == 2
+    assert "nothing to print: pass --example" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         layout_example.main(["--example", "--pages", "1,x"])

@@ -55,7 +55,8 @@ def test_fills_only_live_entries_of_a_carved_buffer(setup, tail_words: int) -> N
     arena0 = EntryMajorArena(fields, entries, "cpu", slot_stride=stride, live_entries=live)
     size = arena0.total_bytes + tail
     buf = torch.full((size,), CANARY, dtype=torch.uint8)
-    arena = EntryMajorArena(fields, entries, "cpu", buf=buf, slot_stride=stride, live_entries=live)
+    arena = EntryMajorArena(fields, entries, "cpu", buf=buf, slot_stride=stride, live_entries=live,
+                            fill=True)
     assert arena.buf is buf
     fills = {
         f.name: (torch.full((f.layers, entries, *f.shape), f.fill, dtype=f.dtype),
@@ -159,7 +160,7 @@ def test_split_arena_finds_fields_in_their_planes() -> None:
     for group, width in zip(groups, widths, strict=True):
         stride = rows * width
         planes.append(EntryMajorArena(group, entries, "cpu", buf=torch.zeros(entries * stride,
-                      dtype=torch.uint8), slot_stride=stride))
+                      dtype=torch.uint8), slot_stride=stride, fill=True))
     split = SplitEntryMajorArena(planes)
     assert split.entry_bytes == sum(p.entry_bytes for p in planes)
     assert [f.name for f in split.fields] == [f.name for g in groups for f in g]
@@ -194,7 +195,8 @@ A512 = [EntryField("a", 1, (3,), torch.float32, align=512)]
         (lambda: EntryMajorArena(F32, 2, "cpu", live_entries=3), r"live_entries 3 outside 0\.\.2"),
         (lambda: EntryMajorArena(F32, -1, "cpu"), "entries must be an integer >= 0, got -1"),
         (lambda: EntryMajorArena(F32, 2, "cpu", buf=torch.zeros(300, dtype=torch.uint8)),
-         "at least 512 B, got shape \\[300\\]"),
+         r"buf holds 300 B but 2 entries need at least 512 B: an entry is 256 B = 12 B of fields "
+         r"\+ 244 B of alignment padding .* or entries=1 to fit this one"),
         (lambda: EntryMajorArena(F32, 2, "cpu", buf=torch.zeros(512, dtype=torch.int8)),
          "1-D uint8 tensor of at least 512 B"),
         (lambda: EntryMajorArena(F32, 2, "cpu", buf=torch.zeros(2048, dtype=torch.uint8)[::2]),
@@ -236,8 +238,8 @@ def test_carved_regions_do_not_bleed_into_each_other() -> None:
     offsets, total = plan_regions([size, size])
     buf = torch.zeros(total + 256, dtype=torch.uint8)
     first, second = carve(buf, [size, size])
-    a = EntryMajorArena(fields, 3, "cpu", buf=first)
-    b = EntryMajorArena(fields, 3, "cpu", buf=second)
+    a = EntryMajorArena(fields, 3, "cpu", buf=first, fill=True)
+    b = EntryMajorArena(fields, 3, "cpu", buf=second, fill=True)
     a.view("kv").fill_(7.0)
     assert (b.view("kv") == 1.0).all()
     assert (buf[total:] == 0).all()
@@ -248,3 +250,32 @@ def test_numpy_integers_count_as_integers() -> None:
     assert arena.entries == 3 and arena.entry(np.int64(2)).numel() == 256
     with pytest.raises(LayoutError, match=r"entry index True outside"):
         arena.entry(True)
+
+
+@FAST
+@given(entry_major_setups(), st.booleans())
+def test_wrapping_a_callers_buffer_changes_none_of_its_bytes(setup, owned_fill_off: bool) -> None:
+    """The engine's tensor is the caller's: building an arena over it writes nothing."""
+    fields, entries, stride, live = setup
+    size = EntryMajorArena(fields, entries, "meta", slot_stride=stride).total_bytes
+    buf = torch.full((size,), CANARY, dtype=torch.uint8)
+    EntryMajorArena(fields, entries, "cpu", buf=buf, slot_stride=stride, live_entries=live)
+    EntryMajorArena(fields, entries, "cpu", buf=buf, slot_stride=stride, fill=False)
+    assert torch.equal(buf, torch.full_like(buf, CANARY))
+    if owned_fill_off:  # fill=False on an owned buffer: zeroed, declared fills skipped
+        own = EntryMajorArena(fields, entries, "cpu", slot_stride=stride, fill=False)
+        assert not own.buf.any()
+
+
+def test_padding_is_spelled_out_when_the_buffer_is_short() -> None:
+    # 150 float32 = 600 B of fields; the entry rounds up to 768 B on a 256 B boundary.
+    fields = [EntryField("a", 1, (150,), torch.float32)]
+    with pytest.raises(LayoutError, match=(
+            r"buf holds 2400 B but 4 entries need at least 3072 B: an entry is 768 B = 600 B of "
+            r"fields \+ 168 B of alignment padding \(fields start on and the entry rounds up to "
+            r"256 B\); pass a buffer of at least 3072 B, or entries=3 to fit this one")):
+        EntryMajorArena(fields, 4, "cpu", buf=torch.zeros(2400, dtype=torch.uint8))
+    with pytest.raises(LayoutError, match="1024 B of slot gap"):
+        EntryMajorArena(fields, 4, "cpu", buf=torch.zeros(2400, dtype=torch.uint8), slot_stride=1792)
+    with pytest.raises(LayoutError, match="fill must be True, False or None"):
+        EntryMajorArena(fields, 4, "cpu", fill=1)
