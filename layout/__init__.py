@@ -35,6 +35,7 @@ from .page_major import (
     mamba_entry_bytes,
     mha_entry_bytes,
 )
+from .per_layer import PerLayerArena
 from .segments import arena_buffers, check_indices, coalesce, plan_segments
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "PageMajorMHAArena",
     "PageMajorMambaArena",
     "PdxferError",
+    "PerLayerArena",
     "SplitEntryMajorArena",
     "arena_buffers",
     "build_page_major_mamba_views",

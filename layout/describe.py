@@ -27,6 +27,7 @@ import msgpack
 from .arenas import EntryMajorArena, LayerMajorArena, SplitEntryMajorArena
 from .errors import LayoutError
 from .fields import EntryField
+from .per_layer import PerLayerArena
 from .segments import Arena, _unknown
 
 # Bump when the meaning of a description (or the arithmetic behind it) changes,
@@ -66,8 +67,8 @@ def describe(arena: Arena) -> dict[str, Any]:
             for plane in arena.arenas
         ]
         stride = None  # one per plane, in `planes`
-    elif isinstance(arena, (EntryMajorArena, LayerMajorArena)):
-        stride = getattr(arena, "slot_stride", None)  # layer-major has none
+    elif isinstance(arena, (EntryMajorArena, LayerMajorArena, PerLayerArena)):
+        stride = getattr(arena, "slot_stride", None)  # layer-major and per-layer have none
     else:
         raise _unknown(arena)
     desc: dict[str, Any] = {

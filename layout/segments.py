@@ -41,10 +41,12 @@ import torch
 from .arenas import EntryMajorArena, LayerMajorArena, SplitEntryMajorArena
 from .errors import LayoutError
 from .fields import _require_int
+from .per_layer import PerLayerArena
 
-_KINDS = "EntryMajorArena, SplitEntryMajorArena, LayerMajorArena, PageMajorMHAArena, PageMajorMambaArena"
+_KINDS = ("EntryMajorArena, SplitEntryMajorArena, LayerMajorArena, PerLayerArena, "
+          "PageMajorMHAArena, PageMajorMambaArena")
 
-Arena = EntryMajorArena | SplitEntryMajorArena | LayerMajorArena
+Arena = EntryMajorArena | SplitEntryMajorArena | LayerMajorArena | PerLayerArena
 
 # At most this many pairs plan in plain ints (`_plan_tiny`): a state entry or
 # a decode step's page. Each numpy call costs ~0.5-2 us whatever its size.
@@ -71,6 +73,8 @@ def arena_buffers(arena: Arena) -> list[torch.Tensor]:
         return [plane.buf for plane in arena.arenas]
     if isinstance(arena, (EntryMajorArena, LayerMajorArena)):
         return [arena.buf]
+    if isinstance(arena, PerLayerArena):
+        return arena.buffers()
     raise _unknown(arena)
 
 
@@ -78,7 +82,7 @@ def _index_space(arena: Arena) -> tuple[int, int]:
     """`(entries, first_live)`: indices `first_live..entries-1` may be named."""
     if isinstance(arena, (EntryMajorArena, SplitEntryMajorArena)):
         return arena.entries, arena.entries - arena.live_entries
-    if isinstance(arena, LayerMajorArena):
+    if isinstance(arena, (LayerMajorArena, PerLayerArena)):
         return arena.entries, 0
     raise _unknown(arena)
 
@@ -422,6 +426,8 @@ def plan_segments(
                 for plane in arena.arenas]
     if isinstance(arena, LayerMajorArena):
         return [_plan_layer_major(arena, pair, dst_entries, checkpoint)]
+    if isinstance(arena, PerLayerArena):
+        return arena.plan(pair, checkpoint, _plan_slots)
     return [_plan_strided(pair, arena.slot_stride, _ranges(arena, checkpoint))]
 
 

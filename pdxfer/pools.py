@@ -16,6 +16,13 @@ which shift, which remote descriptor, whether the source needs a
 live-entries check) is worked out when a peer's handshake arrives and held in
 a `Route`; per request only `plan_segments`, the shift and the post remain.
 
+A pool over an engine's own per-layer tensors (`layout.PerLayerArena`) is
+one pool like any other: its 2L tensors are its buffers, each registered
+once (or the one allocation they were carved from), described in the one
+Hello, and planned by one `plan_segments` call per request. It costs one
+transfer per registered allocation its tensors span — a write names one
+region pair — so 2L for separately allocated layers, 1 for a carved set.
+
 Pool compatibility is decided here too (`mismatch`), once, for both sides: the
 fingerprints of the format must agree pool by pool, and the first difference
 is reported in `layout.describe_diff`'s words with the pool named.
@@ -165,7 +172,7 @@ class Route:
     allocations need one transfer each.
     """
 
-    __slots__ = ("arena", "dst_entries", "groups", "single")
+    __slots__ = ("arena", "direct", "dst_entries", "groups", "single")
 
     def __init__(self, pools: PoolSet, name: str, remote_buffers: Any,
                  remote_regions: list[dict], remote_entries: int) -> None:
@@ -195,6 +202,12 @@ class Route:
         if len(local) == 1 and self.groups:
             g = self.groups[0]
             self.single = (g[0], g[1], g[3][0], g[4][0])
+        # Per-layer tensors in allocations of their own: each buffer is a
+        # region at shift 0 on both sides, so its table posts as planned.
+        self.direct = None
+        if len(self.groups) > 1 and all(len(g[2]) == 1 and not g[3][0] and not g[4][0]
+                                        for g in self.groups):
+            self.direct = [(g[0], g[1], g[2][0]) for g in self.groups]
 
     def plan(self, src: np.ndarray, dst: np.ndarray,
              checkpoint: bool) -> list[tuple[LocalRegion, dict, np.ndarray]]:
@@ -211,6 +224,9 @@ class Route:
             if rs:
                 table[:, 1] += rs
             return [(region, remote, table)]
+        if self.direct is not None:
+            return [(region, remote, tables[b]) for region, remote, b in self.direct
+                    if tables[b].shape[0]]
         out = []
         for region, remote, members, lshifts, rshifts in self.groups:
             parts = []

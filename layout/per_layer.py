@@ -1,0 +1,136 @@
+"""A pool over per-layer tensors a serving engine already allocated.
+
+SGLang's and vLLM's paged KV pools hold one tensor per layer and per K/V
+(`k_buffer[l]`, `v_buffer[l]`, each `[rows, H, D]`), allocated before any
+transfer engine exists. `PerLayerArena` adopts that memory as ONE pool:
+every tensor stays where the engine put it and is one buffer of the pool
+(`arena_buffers` lists them, in field order then layer order), so an engine
+registers each once, describes the pool once in its handshake, and plans a
+request once — `plan_segments` returns one table per tensor from a single
+table computed for each field (the tensors of one field share their entry
+stride, so their tables are the same rows; they are stamped out with one
+broadcast, never a Python loop over layers).
+
+An entry is `entry_rows` consecutive rows of every tensor (a page of
+`page_size` tokens). Rows past the last whole entry (SGLang keeps a spare
+page of padding) are not part of the pool: never registered, never written.
+
+What this costs on the wire is one segment per tensor per run of pages —
+`2 * layers` where an `EntryMajorArena` needs one; docs/per-layer-pools.md
+has the numbers and the migration. The arena never writes the tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .checks import _check_names
+from .errors import LayoutError
+from .fields import EntryField, _require_int
+
+
+class PerLayerArena:
+    """`{field: [tensor per layer]}` adopted as one pool of `entries` entries.
+
+    `tensors` maps a field name (`"k"`, `"v"`) to the engine's per-layer
+    tensors, each `[rows, *shape]`, contiguous, of one dtype and device;
+    `entry_rows` rows make an entry (the page size for token-indexed KV, 1
+    for a page-indexed pool).
+    """
+
+    kind = "per_layer"
+
+    def __init__(self, tensors: Mapping[str, Sequence[torch.Tensor]], entry_rows: int = 1) -> None:
+        if not isinstance(tensors, Mapping) or not tensors:
+            raise LayoutError("tensors must be a non-empty mapping field name -> per-layer tensors")
+        self.entry_rows = _require_int(entry_rows, "entry_rows", minimum=1)
+        fields, entries, device = [], None, None
+        for name, per_layer in tensors.items():
+            per_layer = list(per_layer)
+            if not per_layer or not all(isinstance(t, torch.Tensor) for t in per_layer):
+                raise LayoutError(f"field {name!r}: give a non-empty list of per-layer tensors")
+            first = per_layer[0]
+            for layer, t in enumerate(per_layer):
+                if t.dim() < 1 or (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+                    raise LayoutError(
+                        f"field {name!r} layer {layer}: {list(t.shape)} {t.dtype} on {t.device}, "
+                        f"but layer 0 is {list(first.shape)} {first.dtype} on {first.device}; one "
+                        "field's tensors must agree (put differing tensors in fields of their own)"
+                    )
+                if not t.is_contiguous():
+                    raise LayoutError(
+                        f"field {name!r} layer {layer} is not contiguous; a pool registers each "
+                        "tensor as one byte range, so pass the allocation itself"
+                    )
+            n = first.shape[0] // self.entry_rows
+            if entries is not None and n != entries:
+                raise LayoutError(
+                    f"field {name!r} holds {n} entries of {self.entry_rows} rows but "
+                    f"{fields[0].name!r} holds {entries}; every field of a pool has the same entries"
+                )
+            if device is not None and first.device != device:
+                raise LayoutError(f"field {name!r} is on {first.device}, the others on {device}")
+            entries, device = n, first.device
+            fields.append(EntryField(name, len(per_layer), (self.entry_rows, *first.shape[1:]),
+                                     first.dtype))
+        _check_names(fields)
+        self.fields: list[EntryField] = fields
+        self.entries: int = int(entries)
+        self.live_entries = self.entries
+        self.device = device
+        self._tensors = {name: list(per_layer) for name, per_layer in tensors.items()}
+        self._by_name = {f.name: f for f in fields}
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes one entry holds across every tensor (no padding: nothing is interleaved)."""
+        return sum(f.bytes_per_entry for f in self.fields)
+
+    def _field(self, name: str) -> EntryField:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise LayoutError(f"no field {name!r} in this pool; it has {list(self._by_name)}") from None
+
+    def view(self, name: str, layer: int) -> torch.Tensor:
+        """Layer `layer` of field `name` as `[entries, entry_rows, *shape]` (the engine's tensor)."""
+        field = self._field(name)
+        if not 0 <= layer < field.layers:
+            raise LayoutError(f"layer {layer} outside 0..{field.layers - 1} of field {name!r}")
+        t = self._tensors[name][layer]
+        return t[: self.entries * self.entry_rows].view(self.entries, *field.shape)
+
+    def field_offset(self, name: str) -> int:
+        """0: every tensor is a buffer of its own, so each field starts its buffers."""
+        self._field(name)
+        return 0
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Each tensor's whole entries as a 1-D uint8 tensor, fields in order, layers in order."""
+        out = []
+        for field in self.fields:
+            span = self.entries * field.per_layer_bytes
+            out += [t.reshape(-1).view(torch.uint8)[:span] for t in self._tensors[field.name]]
+        return out
+
+    def plan(self, pair: np.ndarray, checkpoint: bool, plan_slots) -> list[np.ndarray]:
+        """One table per buffer for validated, source-ordered `pair` (`[2, n]` int64).
+
+        One `plan_slots` call per field (its tensors share the stride), then
+        one broadcast copy stamps it out for every layer: distinct arrays,
+        since a caller may shift one tensor's table in place.
+        """
+        tables: list[np.ndarray] = []
+        for field in self.fields:
+            stride = field.per_layer_bytes
+            if (checkpoint and not field.in_checkpoint) or not stride:
+                table = np.empty((0, 3), dtype=np.int64)
+            else:
+                table = plan_slots(pair, stride, 0, stride)
+            stamped = np.empty((field.layers, *table.shape), dtype=np.int64)
+            stamped[:] = table
+            tables += list(stamped)
+        return tables
