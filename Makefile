@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test,nixl]"
+	$(PY) -m pip install -q -e ".[test,nixl,plot]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -34,6 +34,7 @@ lint: setup
 bench: setup
 	$(VENV)/bin/pdxfer bench transport
 	$(VENV)/bin/pdxfer bench engine
+	$(VENV)/bin/pdxfer bench layouts --plot docs/img/layouts.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

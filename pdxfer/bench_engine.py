@@ -39,6 +39,16 @@ import torch
 
 from pdxfer import layout, transport
 
+from .bench_report import (
+    Progress,
+    Report,
+    add_output_args,
+    check_outputs,
+    figure,
+    machine_line,
+    markdown,
+    print_legend,
+)
 from .cliargs import bounded_int
 from .config import EngineConfig, KVPoll
 from .decode import DecodeEngine
@@ -148,7 +158,8 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int) -> dict[str, 
 
     own = statistics.median(r[0] - r[1] - r[2] for r in rows) * 1e6
     return {"send_us": med(0), "plan_us": med(1), "write_us": med(2), "own_us": own,
-            "rps": len(reqs) / busy, "segments": segs}
+            "rps": len(reqs) / busy, "segments": segs,
+            "raw_us": [[round(v * 1e6, 3) for v in r] for r in rows]}
 
 
 def _bench_transport(backend: str, kind: str, reqs: list, batch: int) -> dict[str, float]:
@@ -182,7 +193,38 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int) -> dict[st
         a.close()
         b.close()
     return {"plan_us": statistics.median(plans) * 1e6, "post_us": statistics.median(posts) * 1e6,
-            "rps": len(reqs) / busy, "segments": segs}
+            "rps": len(reqs) / busy, "segments": segs,
+            "raw_post_us": [round(v * 1e6, 3) for v in posts]}
+
+
+COLUMNS = {
+    "backend": "transport backend of both engines",
+    "kv layout": "entry-major (EntryMajorArena) or layer-major (LayerMajorArena) KV pool",
+    "segments": "median segments per request (checked equal to the runs the request names)",
+    "send us": "median CPU us of the caller's thread in PrefillEngine.send()",
+    "plan us": "... of which inside layout.plan_segments",
+    "write us": "... of which inside the transport's Connection.write",
+    "engine us": "... the rest: validation, cursors, shifts, notify payloads, bookkeeping",
+    "bare write us": "median CPU us posting the same tables on a bare transport connection",
+    "engine req/s": "requests/s end to end through the engines, --batch in flight (wall clock)",
+    "bare transport req/s": "requests/s posting and completing the tables on a bare connection",
+}
+
+
+def _plot(rows: list[dict], path, note: str) -> None:
+    """Requests/s, engine beside bare transport, per backend and KV layout."""
+    def draw(plt) -> None:
+        labels = [f"{r['backend']}\n{r['kv layout']}" for r in rows]
+        x = np.arange(len(rows))
+        plt.figure(figsize=(max(5, 1.3 * len(rows)), 3.6))
+        plt.bar(x - 0.2, [r["engine_rps"] for r in rows], 0.4, label="engine")
+        plt.bar(x + 0.2, [r["bare_rps"] for r in rows], 0.4, label="bare transport")
+        plt.xticks(x, labels, fontsize=7)
+        plt.ylabel("requests/s")
+        plt.legend(fontsize=7)
+        plt.figtext(0.5, 0.005, note, ha="center", fontsize=7)
+
+    figure(path, draw, "pdxfer bench engine: requests/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,20 +236,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests in flight per batch (1..4096)")
     parser.add_argument("--backends", default=",".join(transport.available()),
                         help="comma-separated transports (default: all available)")
+    add_output_args(parser)
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.backends.split(",")) - set(transport.available()))
-    if unknown:
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = sorted(set(backends) - set(transport.available()))
+    if unknown or not backends:
         parser.error(f"backends {unknown} are not installed; choose from "
                      f"{', '.join(transport.available())}")
+    check_outputs(parser, args)
+    report = Report("engine", backends, {"requests": args.requests, "batch": args.batch,
+                                         "pages": PAGES})
     reqs = _requests(args.requests, 4096, 256, seed=0)
     print(f"requests of {PAGES} KV pages ({layout.entry_bytes_for(KV_FIELDS) // 1024} KiB each) + 1 state "
           f"entry ({layout.entry_bytes_for(STATE_FIELDS) // 1024} KiB); {args.requests} requests, "
           f"{args.batch} in flight; medians per request")
+    print(machine_line())
     print()
-    print("| backend | kv layout | segments | send us | plan us | write us | engine us "
-          "| bare write us | engine req/s | bare transport req/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for backend in args.backends.split(","):
+    emit = markdown(list(COLUMNS), lambda line: print(line, flush=True))
+    progress = Progress(len(backends) * 2, "configurations")
+    rows = []
+    for backend in backends:
         for kind in ("entry-major", "layer-major"):
             eng = _bench_engine(backend, kind, reqs, args.batch)
             raw = _bench_transport(backend, kind, reqs, args.batch)
@@ -215,7 +263,24 @@ def main(argv: list[str] | None = None) -> int:
             want = [_runs(s["kv"], d["kv"]) * per_field + 1 for s, d in reqs]
             if eng["segments"] != want or raw["segments"] != want:
                 raise SystemExit(f"{backend}/{kind}: segments per request differ from contiguous runs")
-            print(f"| {backend} | {kind} | {statistics.median(want):.0f} | {eng['send_us']:.1f} "
-                  f"| {eng['plan_us']:.1f} | {eng['write_us']:.1f} | {eng['own_us']:.1f} "
-                  f"| {raw['post_us']:.1f} | {eng['rps']:.0f} | {raw['rps']:.0f} |")
+            report.sample(backend=backend, kv_layout=kind,
+                          send_plan_write_us=eng["raw_us"], bare_post_us=raw["raw_post_us"])
+            row = {"backend": backend, "kv layout": kind, "segments": statistics.median(want),
+                   "send_us": eng["send_us"], "plan_us": eng["plan_us"], "write_us": eng["write_us"],
+                   "engine_us": eng["own_us"], "bare_write_us": raw["post_us"],
+                   "engine_rps": eng["rps"], "bare_rps": raw["rps"]}
+            report.row(row)
+            rows.append(row)
+            emit({"backend": backend, "kv layout": kind, "segments": f"{row['segments']:.0f}",
+                  "send us": f"{eng['send_us']:.1f}", "plan us": f"{eng['plan_us']:.1f}",
+                  "write us": f"{eng['write_us']:.1f}", "engine us": f"{eng['own_us']:.1f}",
+                  "bare write us": f"{raw['post_us']:.1f}", "engine req/s": f"{eng['rps']:.0f}",
+                  "bare transport req/s": f"{raw['rps']:.0f}"})
+            progress.step(f"{backend} {kind}")
+    print_legend(COLUMNS, list(COLUMNS))
+    report.write(args.json, COLUMNS)
+    if args.plot is not None:
+        m = report.data["machine"]
+        _plot(rows, args.plot, f"{m['host']}, {m['cores']} cores, load {m['loadavg'][0]:.1f}, "
+              f"{args.requests} requests, {args.batch} in flight")
     return 0

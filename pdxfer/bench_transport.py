@@ -28,8 +28,6 @@ nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import socket
 import statistics
 import sys
@@ -43,6 +41,16 @@ import torch
 
 from pdxfer import transport
 
+from .bench_report import (
+    Progress,
+    Report,
+    add_output_args,
+    check_outputs,
+    figure,
+    machine_line,
+    markdown,
+    print_legend,
+)
 from .cliargs import bounded_int
 
 MiB = 1 << 20
@@ -66,8 +74,9 @@ def _expected_crc(src: np.ndarray, table: np.ndarray) -> int:
     return zlib.crc32(out)
 
 
-def _measure(runs: dict[str, tuple[Callable[[], None], int]], dst: np.ndarray, reps: int) -> dict[str, float]:
-    """Median GB/s of each named run, every run verified by crc32 of the destination.
+def _measure(runs: dict[str, tuple[Callable[[], None], int]], dst: np.ndarray,
+             reps: int) -> dict[str, list[float]]:
+    """Seconds of each timed run by method, every run verified by crc32 of the destination.
 
     The methods take turns within each repetition rather than running their
     reps back to back, so a burst of load from other processes on a shared
@@ -85,7 +94,7 @@ def _measure(runs: dict[str, tuple[Callable[[], None], int]], dst: np.ndarray, r
                 raise SystemExit(f"{name}: run {i} moved wrong bytes (crc32 {got:#x}, expected {crc:#x})")
             if i:  # round 0 warms caches, page tables and connections
                 times[name].append(elapsed)
-    return {name: dst.size / statistics.median(t) / 1e9 for name, t in times.items()}
+    return times
 
 
 class _RawPair:
@@ -155,8 +164,36 @@ def _runs(src: np.ndarray, dst: np.ndarray, table: np.ndarray, pairs: dict[str, 
     return runs
 
 
-def run(total: int, reps: int, backends: list[str], out: Callable[[str], None]) -> None:
-    """Measure every case and print one markdown table."""
+def legend(columns: list[str], streams: int) -> dict[str, str]:
+    """What each printed column means (GB/s unless a ratio)."""
+    fixed = {
+        "case": "segments x segment size; contiguous: row i -> slot i, shuffled: destination slots permuted",
+        "memcpy": "one numpy.copyto of the whole buffer, GB/s (loopback's ceiling)",
+        "memcpy/seg": "one numpy slice copy per segment, single thread, GB/s",
+        "loopback": "one write of the whole table between two loopback engines, GB/s",
+        "loopback/memcpy": "loopback GB/s over memcpy GB/s",
+        "loopback/(memcpy/seg)": "loopback GB/s over memcpy/seg GB/s",
+        "raw socket": "one TCP connection on 127.0.0.1, one sendall + recv_into loop per segment, GB/s",
+        f"tcp ({streams} streams)": "one write between two tcp engines (default stream count), GB/s",
+        "tcp/raw": "tcp GB/s over raw socket GB/s",
+        "tcp 1 stream": "one write between two tcp engines with streams=1, GB/s",
+    }
+    out = {}
+    for c in columns:
+        if c in fixed:
+            out[c] = fixed[c]
+        elif c.endswith("/memcpy"):
+            out[c] = f"{c.split('/')[0]} GB/s over memcpy GB/s"
+        elif c.endswith("/tcp"):
+            out[c] = f"{c.split('/')[0]} GB/s over tcp GB/s"
+        else:
+            out[c] = f"one write of the whole table between two {c} engines, GB/s"
+    return out
+
+
+def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
+        report: Report | None = None) -> list[dict[str, float | str]]:
+    """Measure every case, print one markdown table and its legend; return GB/s per case."""
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, total, dtype=np.uint8)
     dst = np.zeros(total, dtype=np.uint8)
@@ -164,6 +201,7 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None]) 
     pairs: dict[str, _EnginePair] = {}
     raw = None
     tcp_col = ""
+    results: list[dict[str, float | str]] = []
     try:
         if "loopback" in backends:
             pairs["loopback"] = _EnginePair("loopback", src, dst)
@@ -180,13 +218,19 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None]) 
         for name in others:
             pairs[name] = _EnginePair(name, src, dst)
             columns += [name, f"{name}/memcpy"] + ([f"{name}/tcp"] if raw is not None else [])
-        out("| " + " | ".join(columns) + " |")
-        out("|" + " --- |" * len(columns))
+        emit = markdown(columns, out)
+        progress = Progress(len(SEGMENTS) * 2, "cases")
         for seg in SEGMENTS:
             for shuffled in (False, True):
                 table = _table(total, seg, shuffled, rng)
-                gbs = _measure(_runs(src, dst, table, pairs, raw), dst, reps)
+                times = _measure(_runs(src, dst, table, pairs, raw), dst, reps)
+                gbs = {k: dst.size / statistics.median(t) / 1e9 for k, t in times.items()}
                 name = f"{total // seg} x {_size(seg)} {'shuffled' if shuffled else 'contiguous'}"
+                for method, seconds in times.items():
+                    if report is not None:
+                        report.sample(case=name, segment_bytes=seg, shuffled=shuffled,
+                                      method=method, seconds=seconds, bytes=total)
+                results.append({"case": name, "segment_bytes": seg, "shuffled": shuffled, **gbs})
                 row = {"case": name, **{k: f"{v:.2f}" for k, v in gbs.items()}}
                 if "loopback" in gbs:
                     row["loopback/memcpy"] = f"{gbs['loopback'] / gbs['memcpy']:.2f}x"
@@ -198,12 +242,45 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None]) 
                 if raw is not None:
                     row[tcp_col] = row.pop("tcp")
                     row["tcp/raw"] = f"{gbs['tcp'] / gbs['raw socket']:.2f}x"
-                out("| " + " | ".join(row.get(c, "") for c in columns) + " |")
+                emit(row)
+                progress.step(name)
+        streams = pairs["tcp"].tx.streams if "tcp" in pairs else 0
+        meanings = legend(columns, streams)
+        print_legend(meanings, columns, out)
+        if report is not None:
+            report.data["columns"] = meanings
+            for r in results:
+                report.row(r)
     finally:
         for pair in pairs.values():
             pair.close()
         if raw is not None:
             raw.close()
+    return results
+
+
+def plot(results: list[dict], path, note: str) -> None:
+    """GB/s against segment size per method, contiguous and shuffled panels, memcpy dashed."""
+    methods = [k for k in results[0] if k not in ("case", "segment_bytes", "shuffled")]
+
+    def draw(plt) -> None:
+        _, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+        for ax, shuffled in zip(axes, (False, True), strict=True):
+            mine = sorted((r for r in results if r["shuffled"] == shuffled),
+                          key=lambda r: r["segment_bytes"])
+            xs = [r["segment_bytes"] / 1024 for r in mine]
+            for m in methods:
+                style = {"ls": "--", "c": "grey"} if m == "memcpy" else {"marker": "o"}
+                ax.plot(xs, [r[m] for r in mine], label=m, **style)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("segment size (KiB)")
+            ax.set_title("shuffled destinations" if shuffled else "contiguous", fontsize=9)
+        axes[0].set_ylabel("GB/s (log)")
+        axes[1].legend(fontsize=7)
+        plt.figtext(0.5, 0.005, note, ha="center", fontsize=7)
+
+    figure(path, draw, "pdxfer bench transport: GB/s against segment size")
 
 
 def _size(n: int) -> str:
@@ -219,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="32 MiB per case, for a smoke run")
     parser.add_argument("--backends", default=None,
                         help="comma-separated backends (default: every installed one)")
+    add_output_args(parser)
     args = parser.parse_args(argv)
     total = (32 if args.quick else args.total_mib) * MiB
     installed = transport.available()
@@ -226,10 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(backends) - set(installed)
     if unknown:
         parser.error(f"backends {sorted(unknown)} are not installed; choose from {', '.join(installed)}")
+    check_outputs(parser, args)
+    report = Report("transport", backends, {"total_bytes": total, "reps": args.reps})
     print(f"# pdxfer bench transport: {total // MiB} MiB per case, median of {args.reps} runs, GB/s")
-    print(f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"python {platform.python_version()}, torch {torch.__version__}")
-    run(total, args.reps, backends, lambda line: print(line, flush=True))
+    print(machine_line())
+    results = run(total, args.reps, backends, lambda line: print(line, flush=True), report)
+    report.write(args.json, report.data["columns"])
+    if args.plot is not None:
+        m = report.data["machine"]
+        plot(results, args.plot, f"{m['host']}, {m['cores']} cores, load {m['loadavg'][0]:.1f}, "
+             f"{total // MiB} MiB per case, median of {args.reps}")
     return 0
 
 

@@ -32,6 +32,9 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["bench", "transport", "--backends", "carrier-pigeon"], "are not installed"),
     (["bench", "engine", "--requests", "0"], "--requests: 0 is out of range; it must be at least 1"),
     (["bench", "engine", "--backends", "carrier-pigeon"], "are not installed"),
+    (["bench", "layouts", "--reps", "0"], "--reps: 0 is out of range"),
+    (["bench", "layouts", "--backends", "pigeon"], "backends ['pigeon'] are not installed"),
+    (["bench", "layouts", "--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: directory"),
 ])
 def test_misuse_is_a_one_line_usage_error(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,96 @@
+"""`pdxfer bench ...` runs tiny in the suite: tables with a legend, raw samples as JSON, plots.
+
+Nothing here asserts a speed; it asserts what the numbers are OF (segments,
+bytes, which methods and backends ran) and that every column is explained.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdxfer import cli
+from pdxfer.bench_report import Progress
+
+TWO = "loopback,tcp"
+
+
+def _table_and_legend(out: str) -> tuple[list[str], list[str]]:
+    header = next(line for line in out.splitlines() if line.startswith("| "))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    legend = out.split("columns:\n", 1)[1].splitlines()
+    return columns, [line.split(":", 1)[0].strip() for line in legend if line.startswith("  ")]
+
+
+def test_bench_layouts_tiny_ships_three_ways(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "layouts.json"
+    assert cli.main(["bench", "layouts", "--tiny", "--reps", "1", "--backends", TWO, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    columns, legend = _table_and_legend(out)
+    assert legend == columns
+    data = json.loads(path.read_text())
+    assert data["backends"] == ["loopback", "tcp"] and data["machine"]["cores"]
+    rows = data["rows"]
+    assert {(r["model"], r["backend"]) for r in rows} == {
+        (m, b) for m in ("example", "llama-8b", "deepseek-v4") for b in ("loopback", "tcp")}
+    for model in ("example", "llama-8b", "deepseek-v4"):
+        mine = {r["method"]: r for r in rows if r["model"] == model and r["backend"] == "tcp"}
+        assert mine["staging"]["segments"] == 1
+        assert mine["layer-major"]["segments"] > mine["whole entries"]["segments"] >= 1
+        assert mine["staging"]["copied"] == 2 * mine["staging"]["bytes"]
+        assert mine["whole entries"]["copied"] == mine["layer-major"]["copied"] == 0
+    # tiny: 2 layers x 6 fields, one entry -> 12 layer-major segments, 1 whole
+    ds = {r["method"]: r["segments"] for r in rows if r["model"] == "deepseek-v4"}
+    assert (ds["whole entries"], ds["layer-major"]) == (1, 12)
+    samples = [s for s in data["samples"] if s["method"] != "memcpy"]
+    assert len(samples) == 3 * 2 * 3 and all(len(s["seconds"]) == 1 for s in samples)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is the optional 'plot' extra and is not installed")
+def test_bench_layouts_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "layouts.png"
+    assert cli.main(["bench", "layouts", "--tiny", "--reps", "1", "--backends", "loopback",
+                     "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "layouts", "--tiny", "--plot", "x.png"])
+    assert exc.value.code == 2
+    assert "pip install 'pdxfer[plot]'" in capsys.readouterr().err
+
+
+def test_bench_transport_json_has_every_sample(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.json"
+    assert cli.main(["bench", "transport", "--total-mib", "4", "--reps", "2", "--backends", "loopback",
+                     "--json", str(path)]) == 0
+    columns, legend = _table_and_legend(capsys.readouterr().out)
+    assert legend == columns
+    data = json.loads(path.read_text())
+    methods = {"memcpy", "memcpy/seg", "loopback"}
+    assert {s["method"] for s in data["samples"]} == methods
+    assert len(data["samples"]) == 6 * len(methods)
+    assert all(len(s["seconds"]) == 2 for s in data["samples"])
+    assert set(data["columns"]) == set(columns)
+
+
+def test_progress_reports_rows_elapsed_and_eta_only_on_long_runs() -> None:
+    quiet, loud = io.StringIO(), io.StringIO()
+    short = Progress(3, "rows", stream=quiet)  # default: silent for the first few seconds
+    long = Progress(3, "rows", stream=loud, after_s=0.0, every_s=0.0)
+    for i in range(3):
+        short.step(f"row {i}")
+        long.step(f"row {i}")
+    assert quiet.getvalue() == ""
+    lines = loud.getvalue().splitlines()
+    assert lines[0].startswith("[1/3 rows, ") and "s elapsed, ETA " in lines[0]
+    assert lines[-1].startswith("[3/3 rows, ") and lines[-1].endswith("ETA 0 s] row 2")
