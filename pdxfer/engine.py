@@ -25,7 +25,7 @@ from typing import Any
 from pdxfer import transport
 
 from .config import EngineConfig, KVPoll, RequestStats
-from .errors import ClosedError, ConfigError
+from .errors import ClosedError, ConfigError, RequestFailed
 from .pools import PoolSet
 from .progress import Progress
 from .requests import RequestTable, check_request_id
@@ -83,6 +83,33 @@ class Engine:
     def stats(self, request_id: str) -> RequestStats:
         """Bytes, segments and transfers the request moved, and how long it took."""
         return self._table.stats(check_request_id(request_id))
+
+    def try_poll(self, request_id: str) -> KVPoll | None:
+        """`poll`, but None (not `RequestError`) when this engine holds no record of the id.
+
+        For a scheduler loop that polls a request the other side may not have
+        announced yet (a prefill sender before the decode's Expect arrives):
+        "not yet known" is an answer there, not an error to catch and parse.
+        """
+        rid = check_request_id(request_id)
+        with self._lock:
+            req = self._table.find(rid)
+            return None if req is None else req.state
+
+    def failure(self, request_id: str) -> RequestFailed | None:
+        """The request's failure as the `RequestFailed` `wait` raises (cause attached), or None.
+
+        Lets a caller raise or log the failure without blocking in `wait` and
+        without the engine's private cause types: `raise engine.failure(rid)`.
+        """
+        rid = check_request_id(request_id)
+        with self._lock:
+            req = self._table.get(rid)
+            if req.state is not KVPoll.Failed:
+                return None
+            exc = RequestFailed(rid, req.reason or "failed")
+            exc.__cause__ = req.error
+            return exc
 
     def release(self, request_id: str) -> None:
         """Forget a finished request so its id can be used again."""
