@@ -39,16 +39,7 @@ import torch
 
 from pdxfer import layout, transport
 
-from .bench_report import (
-    Progress,
-    Report,
-    add_output_args,
-    check_outputs,
-    figure,
-    machine_line,
-    markdown,
-    print_legend,
-)
+from . import bench_report as br
 from .cliargs import bounded_int
 from .config import EngineConfig, KVPoll
 from .decode import DecodeEngine
@@ -224,7 +215,7 @@ def _plot(rows: list[dict], path, note: str) -> None:
         plt.legend(fontsize=7)
         plt.figtext(0.5, 0.005, note, ha="center", fontsize=7)
 
-    figure(path, draw, "pdxfer bench engine: requests/s")
+    br.figure(path, draw, "pdxfer bench engine: requests/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,24 +227,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests in flight per batch (1..4096)")
     parser.add_argument("--backends", default=",".join(transport.available()),
                         help="comma-separated transports (default: all available)")
-    add_output_args(parser)
+    br.add_output_args(parser)
     args = parser.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     unknown = sorted(set(backends) - set(transport.available()))
     if unknown or not backends:
         parser.error(f"backends {unknown} are not installed; choose from "
                      f"{', '.join(transport.available())}")
-    check_outputs(parser, args)
-    report = Report("engine", backends, {"requests": args.requests, "batch": args.batch,
+    br.check_outputs(parser, args)
+    report = br.Report("engine", backends, {"requests": args.requests, "batch": args.batch,
                                          "pages": PAGES})
     reqs = _requests(args.requests, 4096, 256, seed=0)
     print(f"requests of {PAGES} KV pages ({layout.entry_bytes_for(KV_FIELDS) // 1024} KiB each) + 1 state "
           f"entry ({layout.entry_bytes_for(STATE_FIELDS) // 1024} KiB); {args.requests} requests, "
           f"{args.batch} in flight; medians per request")
-    print(machine_line())
+    print(br.machine_line())
     print()
-    emit = markdown(list(COLUMNS), lambda line: print(line, flush=True))
-    progress = Progress(len(backends) * 2, "configurations")
+    emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True))
+    progress = br.Progress(len(backends) * 2, "configurations")
     rows = []
     for backend in backends:
         for kind in ("entry-major", "layer-major"):
@@ -277,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                   "bare write us": f"{raw['post_us']:.1f}", "engine req/s": f"{eng['rps']:.0f}",
                   "bare transport req/s": f"{raw['rps']:.0f}"})
             progress.step(f"{backend} {kind}")
-    print_legend(COLUMNS, list(COLUMNS))
+    br.print_legend(COLUMNS, list(COLUMNS))
     report.write(args.json, COLUMNS)
     if args.plot is not None:
         m = report.data["machine"]

@@ -43,17 +43,8 @@ import torch
 from pdxfer import transport
 from pdxfer.layout import EntryField, EntryMajorArena, LayerMajorArena, plan_segments
 
+from . import bench_report as br
 from . import layout_example as ex
-from .bench_report import (
-    Progress,
-    Report,
-    add_output_args,
-    check_outputs,
-    figure,
-    machine_line,
-    markdown,
-    print_legend,
-)
 from .cliargs import bounded_int
 
 METHODS = ("whole entries", "layer-major", "staging")
@@ -242,12 +233,12 @@ def _memcpy_s(nbytes: int, reps: int) -> list[float]:
     return out
 
 
-def run(backends: list[str], reps: int, tiny: bool, report: Report) -> list[dict]:
+def run(backends: list[str], reps: int, tiny: bool, report: br.Report) -> list[dict]:
     """Measure every model x backend x method; print the table; return its rows as numbers."""
     states = models(tiny)
     shown = list(COLUMNS)
-    emit = markdown(shown, lambda line: print(line, flush=True))
-    progress = Progress(len(states) * len(backends) * len(METHODS))
+    emit = br.markdown(shown, lambda line: print(line, flush=True))
+    progress = br.Progress(len(states) * len(backends) * len(METHODS))
     rows = []
     for model, pools in states.items():
         nbytes = sum(sum(f.bytes_per_entry for f in p.fields) * p.src.size for p in pools)
@@ -278,7 +269,7 @@ def run(backends: list[str], reps: int, tiny: bool, report: Report) -> list[dict
                       "GB/s": f"{row['gbs']:.2f}", "vs whole": f"{row['vs_whole']:.2f}x",
                       "memcpy GB/s": f"{row['memcpy_gbs']:.2f}"})
                 progress.step(f"{model} {backend} {method}")
-    print_legend(COLUMNS, shown)
+    br.print_legend(COLUMNS, shown)
     return rows
 
 
@@ -306,7 +297,7 @@ def plot(rows: list[dict], path, note: str) -> None:
             ax.legend(fontsize=7)
         fig.text(0.5, 0.005, note, ha="center", fontsize=7)
 
-    figure(path, draw, "pdxfer bench layouts: one model state shipped three ways")
+    br.figure(path, draw, "pdxfer bench layouts: one model state shipped three ways")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,17 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true",
                         help="two layers and a few pages per model: a smoke run of every path")
     parser.add_argument("--backends", default=None, help="comma-separated (default: every installed one)")
-    add_output_args(parser)
+    br.add_output_args(parser)
     args = parser.parse_args(argv)
     installed = transport.available()
     backends = installed if args.backends is None else [b for b in args.backends.split(",") if b]
     unknown = sorted(set(backends) - set(installed))
     if unknown or not backends:
         parser.error(f"backends {unknown} are not installed; choose from {', '.join(installed)}")
-    check_outputs(parser, args)
-    report = Report("layouts", backends, {"reps": args.reps, "tiny": args.tiny})
+    br.check_outputs(parser, args)
+    report = br.Report("layouts", backends, {"reps": args.reps, "tiny": args.tiny})
     print(f"# pdxfer bench layouts: median of {args.reps} runs{' (tiny)' if args.tiny else ''}")
-    print(machine_line())
+    print(br.machine_line())
     rows = run(backends, args.reps, args.tiny, report)
     report.write(args.json, COLUMNS)
     if args.plot is not None:

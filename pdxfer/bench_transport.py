@@ -41,16 +41,7 @@ import torch
 
 from pdxfer import transport
 
-from .bench_report import (
-    Progress,
-    Report,
-    add_output_args,
-    check_outputs,
-    figure,
-    machine_line,
-    markdown,
-    print_legend,
-)
+from . import bench_report as br
 from .cliargs import bounded_int
 
 MiB = 1 << 20
@@ -192,7 +183,7 @@ def legend(columns: list[str], streams: int) -> dict[str, str]:
 
 
 def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
-        report: Report | None = None) -> list[dict[str, float | str]]:
+        report: br.Report | None = None) -> list[dict[str, float | str]]:
     """Measure every case, print one markdown table and its legend; return GB/s per case."""
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, total, dtype=np.uint8)
@@ -218,8 +209,8 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
         for name in others:
             pairs[name] = _EnginePair(name, src, dst)
             columns += [name, f"{name}/memcpy"] + ([f"{name}/tcp"] if raw is not None else [])
-        emit = markdown(columns, out)
-        progress = Progress(len(SEGMENTS) * 2, "cases")
+        emit = br.markdown(columns, out)
+        progress = br.Progress(len(SEGMENTS) * 2, "cases")
         for seg in SEGMENTS:
             for shuffled in (False, True):
                 table = _table(total, seg, shuffled, rng)
@@ -246,7 +237,7 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
                 progress.step(name)
         streams = pairs["tcp"].tx.streams if "tcp" in pairs else 0
         meanings = legend(columns, streams)
-        print_legend(meanings, columns, out)
+        br.print_legend(meanings, columns, out)
         if report is not None:
             report.data["columns"] = meanings
             for r in results:
@@ -280,7 +271,7 @@ def plot(results: list[dict], path, note: str) -> None:
         axes[1].legend(fontsize=7)
         plt.figtext(0.5, 0.005, note, ha="center", fontsize=7)
 
-    figure(path, draw, "pdxfer bench transport: GB/s against segment size")
+    br.figure(path, draw, "pdxfer bench transport: GB/s against segment size")
 
 
 def _size(n: int) -> str:
@@ -296,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="32 MiB per case, for a smoke run")
     parser.add_argument("--backends", default=None,
                         help="comma-separated backends (default: every installed one)")
-    add_output_args(parser)
+    br.add_output_args(parser)
     args = parser.parse_args(argv)
     total = (32 if args.quick else args.total_mib) * MiB
     installed = transport.available()
@@ -304,10 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(backends) - set(installed)
     if unknown:
         parser.error(f"backends {sorted(unknown)} are not installed; choose from {', '.join(installed)}")
-    check_outputs(parser, args)
-    report = Report("transport", backends, {"total_bytes": total, "reps": args.reps})
+    br.check_outputs(parser, args)
+    report = br.Report("transport", backends, {"total_bytes": total, "reps": args.reps})
     print(f"# pdxfer bench transport: {total // MiB} MiB per case, median of {args.reps} runs, GB/s")
-    print(machine_line())
+    print(br.machine_line())
     results = run(total, args.reps, backends, lambda line: print(line, flush=True), report)
     report.write(args.json, report.data["columns"])
     if args.plot is not None:
