@@ -292,8 +292,7 @@ def plot(rows: list[dict], path, note: str) -> None:
             ax.axhline(mine[0]["memcpy_gbs"], ls="--", c="grey", lw=1, label="memcpy")
             ax.set_xticks(np.arange(len(backends)), backends)
             ax.set_title(f"{model}: {mine[0]['bytes'] / 1e6:.1f} MB / request", fontsize=9)
-            ax.set_ylabel("GB/s (log)")
-            ax.set_yscale("log")
+            ax.set_ylabel("GB/s")
             ax.legend(fontsize=7)
         fig.text(0.5, 0.005, note, ha="center", fontsize=7)
 
