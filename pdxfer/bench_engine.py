@@ -58,10 +58,17 @@ STATE_FIELDS = [
 ]
 
 
+KINDS = ("entry-major", "layer-major", "per-layer tensors")
+
+
 def _pools(kind: str, kv_entries: int, state_entries: int) -> dict[str, Any]:
-    kv_cls = layout.EntryMajorArena if kind == "entry-major" else layout.LayerMajorArena
-    return {"kv": kv_cls(KV_FIELDS, kv_entries, "cpu"),
-            "state": layout.EntryMajorArena(STATE_FIELDS, state_entries, "cpu")}
+    if kind == "per-layer tensors":  # as SGLang allocates: one tensor per layer and field
+        kv: Any = layout.PerLayerArena({f.name: [torch.zeros(kv_entries, *f.shape, dtype=f.dtype)
+                                                 for _ in range(f.layers)] for f in KV_FIELDS})
+    else:
+        kv_cls = layout.EntryMajorArena if kind == "entry-major" else layout.LayerMajorArena
+        kv = kv_cls(KV_FIELDS, kv_entries, "cpu")
+    return {"kv": kv, "state": layout.EntryMajorArena(STATE_FIELDS, state_entries, "cpu")}
 
 
 def _requests(n: int, kv_entries: int, state_entries: int, seed: int) -> list[tuple[dict, dict]]:
@@ -101,7 +108,7 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int) -> dict[str, 
     kv_n, st_n = 4096, 256
     prefill = PrefillEngine(_pools(kind, kv_n, st_n), cfg)
     decode = DecodeEngine(_pools(kind, kv_n, st_n), cfg)
-    rows, busy, segs = [], 0.0, []
+    rows, busy, segs, transfers = [], 0.0, [], set()
     plan, write = _Timed(), _Timed()
     conn_cls = None
     orig_plan = layout.plan_segments
@@ -135,6 +142,7 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int) -> dict[str, 
             busy += time.perf_counter() - t0
             for i, _ in chunk:
                 segs.append(decode.stats(f"r{i}").segments)
+                transfers.add(decode.stats(f"r{i}").transfers)
                 decode.release(f"r{i}")
                 prefill.release(f"r{i}")
     finally:
@@ -149,7 +157,7 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int) -> dict[str, 
 
     own = statistics.median(r[0] - r[1] - r[2] for r in rows) * 1e6
     return {"send_us": med(0), "plan_us": med(1), "write_us": med(2), "own_us": own,
-            "rps": len(reqs) / busy, "segments": segs,
+            "rps": len(reqs) / busy, "segments": segs, "transfers": transfers,
             "raw_us": [[round(v * 1e6, 3) for v in r] for r in rows]}
 
 
@@ -158,14 +166,15 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int) -> dict[st
     src, dst = _pools(kind, kv_n, st_n), _pools(kind, kv_n, st_n)
     a, b = transport.create(backend), transport.create(backend)
     try:
-        local = {p: a.register(layout.arena_buffers(arena)[0]) for p, arena in src.items()}
-        remote = {p: b.register(layout.arena_buffers(arena)[0]).descriptor() for p, arena in dst.items()}
+        local = {p: [a.register(buf) for buf in layout.arena_buffers(arena)] for p, arena in src.items()}
+        remote = {p: [b.register(buf).descriptor() for buf in layout.arena_buffers(arena)]
+                  for p, arena in dst.items()}
         conn = a.connect(b.address())
         plans, posts, busy = [], [], 0.0
         tables = []
         for s, d in reqs:
             t = time.thread_time()
-            per = {p: layout.plan_segments(src[p], s[p], d[p], dst_entries=dst[p].entries)[0] for p in s}
+            per = {p: layout.plan_segments(src[p], s[p], d[p], dst_entries=dst[p].entries) for p in s}
             plans.append(time.thread_time() - t)
             tables.append(per)
         for start in range(0, len(tables), batch):
@@ -173,25 +182,29 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int) -> dict[st
             t0 = time.perf_counter()
             for per in tables[start:start + batch]:
                 t = time.thread_time()
-                for p, table in per.items():
-                    handles.append(conn.write(local[p], remote[p], table))
+                for p, tables_ in per.items():  # one write per registered buffer
+                    for region, desc, table in zip(local[p], remote[p], tables_, strict=True):
+                        handles.append(conn.write(region, desc, table))
                 posts.append(time.thread_time() - t)
             for h in handles:
                 h.wait(60.0)
             busy += time.perf_counter() - t0
-        segs = [sum(len(t) for t in per.values()) for per in tables]
+        segs = [sum(len(t) for ts in per.values() for t in ts) for per in tables]
     finally:
         a.close()
         b.close()
     return {"plan_us": statistics.median(plans) * 1e6, "post_us": statistics.median(posts) * 1e6,
             "rps": len(reqs) / busy, "segments": segs,
+            "transfers": {sum(len(ts) for ts in per.values()) for per in tables},
             "raw_post_us": [round(v * 1e6, 3) for v in posts]}
 
 
 COLUMNS = {
     "backend": "transport backend of both engines",
-    "kv layout": "entry-major (EntryMajorArena) or layer-major (LayerMajorArena) KV pool",
+    "kv layout": "entry-major (EntryMajorArena), layer-major (LayerMajorArena) or an engine's "
+                 "per-layer tensors, each its own allocation (PerLayerArena) KV pool",
     "segments": "median segments per request (checked equal to the runs the request names)",
+    "transfers": "writes posted per request (one per registered allocation a pool spans)",
     "send us": "median CPU us of the caller's thread in PrefillEngine.send()",
     "plan us": "... of which inside layout.plan_segments",
     "write us": "... of which inside the transport's Connection.write",
@@ -244,25 +257,27 @@ def main(argv: list[str] | None = None) -> int:
     print(br.machine_line())
     print()
     emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True))
-    progress = br.Progress(len(backends) * 2, "configurations")
+    progress = br.Progress(len(backends) * len(KINDS), "configurations")
     rows = []
     for backend in backends:
-        for kind in ("entry-major", "layer-major"):
+        for kind in KINDS:
             eng = _bench_engine(backend, kind, reqs, args.batch)
             raw = _bench_transport(backend, kind, reqs, args.batch)
             per_field = 1 if kind == "entry-major" else sum(f.layers for f in KV_FIELDS)
             want = [_runs(s["kv"], d["kv"]) * per_field + 1 for s, d in reqs]
-            if eng["segments"] != want or raw["segments"] != want:
-                raise SystemExit(f"{backend}/{kind}: segments per request differ from contiguous runs")
+            if eng["segments"] != want or raw["segments"] != want or eng["transfers"] != raw["transfers"]:
+                raise SystemExit(f"{backend}/{kind}: segments or transfers per request differ from what the request names")
             report.sample(backend=backend, kv_layout=kind,
                           send_plan_write_us=eng["raw_us"], bare_post_us=raw["raw_post_us"])
             row = {"backend": backend, "kv layout": kind, "segments": statistics.median(want),
+                   "transfers": max(eng["transfers"]),
                    "send_us": eng["send_us"], "plan_us": eng["plan_us"], "write_us": eng["write_us"],
                    "engine_us": eng["own_us"], "bare_write_us": raw["post_us"],
                    "engine_rps": eng["rps"], "bare_rps": raw["rps"]}
             report.row(row)
             rows.append(row)
             emit({"backend": backend, "kv layout": kind, "segments": f"{row['segments']:.0f}",
+                  "transfers": str(row["transfers"]),
                   "send us": f"{eng['send_us']:.1f}", "plan us": f"{eng['plan_us']:.1f}",
                   "write us": f"{eng['write_us']:.1f}", "engine us": f"{eng['own_us']:.1f}",
                   "bare write us": f"{raw['post_us']:.1f}", "engine req/s": f"{eng['rps']:.0f}",
