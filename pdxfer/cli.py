@@ -18,6 +18,7 @@ _COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("layout",): ("pdxfer.layout_example", "print the entry maps of an example hybrid model"),
     ("bench", "transport"): ("pdxfer.bench_transport", "transport throughput vs memcpy and raw sockets"),
     ("bench", "engine"): ("pdxfer.bench_engine", "PD engine requests/s and per-request overhead"),
+    ("bench", "tp"): ("pdxfer.bench_tp", "heterogeneous TP: shard-major vs per-token/per-head slicing"),
 }
 
 

@@ -9,6 +9,7 @@ from pdxfer_testkit import config
 
 from pdxfer import (
     ConfigError,
+    LayoutMismatchError,
     DecodeEngine,
     HeteroTPDecode,
     HeteroTPPrefill,
@@ -179,3 +180,17 @@ def test_bad_groups_and_inputs_are_refused_before_anything_exists() -> None:
     p = HeteroTPPrefill(None, _pools(2, 0, None))
     with pytest.raises(RequestError, match="decode_tp must be a positive int"):
         p.send("z", {"kv": [0]}, decode_tp=0)
+
+
+def test_an_incompatible_split_is_refused_in_the_handshake_by_name(backend) -> None:
+    """Another head dim on decode: the handshake names the pool, field and shapes."""
+    src = _pools(2, 0, None)
+    other = [layout.EntryField(f.name, f.layers, (4, HEADS, 16), f.dtype, tp_axis=1)
+             for f in FIELDS["kv"]]
+    dst = {"kv": layout.ShardMajorArena(other, 8, "cpu", tp=4, rank=1), "state": _pools(4, 1, None)["state"]}
+    with PrefillEngine(src, config(backend)) as prefill, DecodeEngine(dst, config(backend)) as decode:
+        decode.expect("m", prefill.bootstrap_address, {"kv": [0]})
+        with pytest.raises(RequestFailed) as info:
+            decode.wait("m", WAIT)
+        assert isinstance(info.value.__cause__, LayoutMismatchError)
+        assert "pool 'kv': field 'k' differs in shape: [4, 4, 8] vs [4, 4, 16]" in str(info.value)
