@@ -9,11 +9,11 @@ from pdxfer_testkit import config
 
 from pdxfer import (
     ConfigError,
-    LayoutMismatchError,
     DecodeEngine,
     HeteroTPDecode,
     HeteroTPPrefill,
     KVPoll,
+    LayoutMismatchError,
     PrefillEngine,
     RequestError,
     RequestFailed,
