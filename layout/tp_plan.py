@@ -28,10 +28,10 @@ from .describe import split_of
 from .errors import LayoutError
 from .fields import _require_int
 from .segments import (
-    _as_indices,
     _check_range,
     _check_unique,
     _empty,
+    _index_pair,
     _index_space,
     _merge,
     _source_order,
@@ -119,13 +119,7 @@ class RankPair:
 
         Refuses what `plan_segments` refuses, with its words, before planning.
         """
-        src = _as_indices(src_idx, "source index")
-        dst = _as_indices(dst_idx, "destination index")
-        if src.size != dst.size:
-            raise LayoutError(
-                f"{src.size} source indices but {dst.size} destination indices; pass one "
-                "destination entry per source entry"
-            )
+        src, dst = _index_pair(src_idx, dst_idx)
         entries, first_live = _index_space(self.arena)
         dst_entries = _require_int(dst_entries, "dst_entries")
         _check_range(src, first_live, entries, "source index")

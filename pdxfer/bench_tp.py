@@ -175,14 +175,10 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> None:
             raise SystemExit(f"{P}->{D}: {seg} segments for {args.request} entries x {pairs} pairs, "
                              f"or bytes differ ({nbytes})")
         gbs: dict[str, dict[str, float]] = {m: {} for m in sides}
+        # The ceiling: one memcpy of the same bytes, taking its turn beside the methods.
         flat = np.ones(nbytes["shard-major"], dtype=np.uint8)
         sink = np.empty_like(flat)
-        copies = []
-        for _ in range(args.reps + 1):  # the ceiling: one memcpy of the same bytes
-            t0 = time.perf_counter()
-            np.copyto(sink, flat)
-            copies.append(time.perf_counter() - t0)
-        memcpy = flat.size / statistics.median(copies[1:]) / 1e9
+        copies: list[float] = []
         for backend in args.backends:
             links = {m: _Links(backend, side) for m, side in sides.items()}
             try:
@@ -197,11 +193,17 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> None:
                         links[m].move(tables[m])
                         if i:
                             times[m].append(time.perf_counter() - t0)
+                    if backend == args.backends[0]:
+                        t0 = time.perf_counter()
+                        np.copyto(sink, flat)
+                        if i:
+                            copies.append(time.perf_counter() - t0)
                 for m in sides:
                     gbs[m][backend] = nbytes[m] / statistics.median(times[m]) / 1e9
             finally:
                 for link in links.values():
                     link.close()
+        memcpy = flat.size / statistics.median(copies) / 1e9
         for m in sides:
             row = [f"{P} -> {D}", m, str(pairs), f"{sum(len(t) for _, _, t in tables[m]):,}",
                    f"{plan_us[m]:,.0f}"]
