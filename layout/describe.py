@@ -11,6 +11,13 @@ of one model. `describe_diff` says in one sentence what the first difference
 is, so a handshake refusal names the field and attribute instead of two
 hashes.
 
+A shard-major arena (`layout.shards`) is described by its GLOBAL format
+(the unsharded fields, `tp_axis` included, and the head-group size) plus its
+TP size and rank and what that split places. Two ranks of different splits
+differ in fingerprint yet may exchange bytes: `describe_diff` compares their
+global formats and checks each split against its own (`split_of`), and
+returns None when they are compatible (`is_split_pair` says it is that case).
+
 Canonical encoding: msgpack of the dict with keys sorted at every level,
 tuples as lists, floats as float64. That is a function of the values alone,
 so equal declarations hash equal in every process and on every machine.

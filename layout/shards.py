@@ -150,7 +150,9 @@ class ShardMajorArena(EntryMajorArena):
 
     `fields` is the GLOBAL declaration (full head counts); the arena holds this
     rank's heads of each split field and all of each replicated one. Entry `i`
-    is contiguous at `i * slot_stride`, exactly as in the parent class.
+    is contiguous at `i * slot_stride`, exactly as in the parent class. After
+    construction `declared` is that global list and `fields` the synthesized
+    one the bytes follow (`k@3`, ...); `view` answers both kinds of name.
     """
 
     kind = "shard_major"
