@@ -194,3 +194,23 @@ def test_an_incompatible_split_is_refused_in_the_handshake_by_name(backend) -> N
             decode.wait("m", WAIT)
         assert isinstance(info.value.__cause__, LayoutMismatchError)
         assert "pool 'kv': field 'k' differs in shape: [4, 4, 8] vs [4, 4, 16]" in str(info.value)
+
+
+def test_a_dead_decode_rank_fails_the_request_on_the_other_decode_rank(backend) -> None:
+    """1 -> 2: the prefill rank serves both decode ranks; one dies mid-request."""
+    r = Ranks(backend, 1, 2)
+    try:
+        dst = {"kv": np.array([4, 5]), "state": np.array([3])}
+        for g in r.decode:
+            g.expect("w", r.group, dst)
+        # A first chunk only: neither decode rank can reach Success before the failure.
+        r.prefill[0].send("w", {"kv": np.array([1]), "state": np.array([0])}, decode_tp=2,
+                          last=False)
+        r.decode[0].engine.close()
+        with pytest.raises(RequestFailed, match=r"w#tp0>0"):
+            r.prefill[0].wait("w", WAIT)  # its failed pair aborted the pair to rank 1
+        with pytest.raises(RequestFailed, match="a sibling rank pair failed"):
+            r.decode[1].wait("w", WAIT)  # told by the prefill, not timed out
+        assert r.prefill[0].engine.poll(sub_request_id("w", 0, 1)) is KVPoll.Failed
+    finally:
+        r.close()
