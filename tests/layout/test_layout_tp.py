@@ -61,8 +61,10 @@ def model(draw: st.DrawFn) -> tuple[list[EntryField], int]:
     return fields, heads
 
 
-def _tp_sizes(heads: int) -> list[int]:
-    return [t for t in (1, 2, 4, 8) if heads % t == 0] if heads else [1, 2, 4]
+def _splits(fields: list[EntryField], heads: int) -> tuple[bool, list[int]]:
+    """Whether any field is split, and the TP sizes the model admits."""
+    split = any(f.tp_axis is not None for f in fields)
+    return split, [t for t in (1, 2, 4, 8) if heads % t == 0] if split else [1, 2, 4]
 
 
 def _global_values(fields: list[EntryField], entries: int, seed: int) -> dict[str, torch.Tensor]:
@@ -80,6 +82,19 @@ def _slice(f: EntryField, value: torch.Tensor, lo: int, hi: int) -> torch.Tensor
 def _rank_heads(f: EntryField, tp: int, rank: int) -> tuple[int, int]:
     n = f.shape[f.tp_axis] // tp
     return rank * n, (rank + 1) * n
+
+
+def _fill(arena: ShardMajorArena, values: dict[str, torch.Tensor]) -> None:
+    """A rank's arena loaded from the global tensors, head group by head group."""
+    g = arena.geometry
+    for f in arena.declared:
+        if f.tp_axis is None:
+            arena.view(f.name).copy_(values[f.name])
+            continue
+        lo, hi = _rank_heads(f, g.tp, g.rank)
+        per = (hi - lo) // g.local_units
+        for u in range(g.local_units):
+            arena.group_view(f.name, u).copy_(_slice(f, values[f.name], lo + u * per, lo + (u + 1) * per))
 
 
 def _apply(table: np.ndarray, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -116,7 +131,7 @@ def _oracle_table(src: ShardMajorArena, dst: ShardMajorArena, pairs: list[tuple[
 @given(model(), st.data())
 def test_rank_pairs_reassemble_the_monolithic_entry(spec, data) -> None:
     fields, heads = spec
-    sizes = _tp_sizes(heads if any(f.tp_axis is not None for f in fields) else 0)
+    split, sizes = _splits(fields, heads)
     P, D = data.draw(st.sampled_from(sizes)), data.draw(st.sampled_from(sizes))
     n = data.draw(st.integers(1, 5))
     src_entries, dst_entries = n + 2, n + 3
@@ -124,15 +139,8 @@ def test_rank_pairs_reassemble_the_monolithic_entry(spec, data) -> None:
     dst_idx = data.draw(st.permutations(range(dst_entries)))[:n]
     values = _global_values(fields, src_entries, data.draw(st.integers(0, 99)))
     prefill = [ShardMajorArena(fields, src_entries, "cpu", tp=P, rank=p) for p in range(P)]
-    for p, arena in enumerate(prefill):
-        for f in fields:
-            lo, hi = _rank_heads(f, P, p) if f.tp_axis is not None else (0, 0)
-            for g in range(arena.geometry.local_units if f.tp_axis is not None else 0):
-                per = (hi - lo) // arena.geometry.local_units
-                arena.group_view(f.name, g).copy_(_slice(f, values[f.name], lo + g * per, lo + (g + 1) * per))
-            if f.tp_axis is None:
-                arena.view(f.name).copy_(values[f.name])
-    split = any(f.tp_axis is not None for f in fields)
+    for arena in prefill:
+        _fill(arena, values)
     for q in range(D):
         dst = ShardMajorArena(fields, dst_entries, "cpu", tp=D, rank=q)
         dst.buf.fill_(CANARY)
@@ -175,8 +183,7 @@ def test_rank_pairs_reassemble_the_monolithic_entry(spec, data) -> None:
 def test_one_segment_per_entry_per_pair_when_the_prefill_is_wider(spec, data) -> None:
     """P >= D: the overlap and the replicated block abut, so one row per entry."""
     fields, heads = spec
-    split = any(f.tp_axis is not None for f in fields)
-    sizes = _tp_sizes(heads if split else 0)
+    split, sizes = _splits(fields, heads)
     P = data.draw(st.sampled_from(sizes))
     D = data.draw(st.sampled_from([t for t in sizes if t <= P]))
     n = data.draw(st.integers(1, 6))
@@ -282,8 +289,7 @@ def test_incompatible_splits_are_refused_by_name() -> None:
 @given(model(), st.data())
 def test_checkpoint_plans_move_exactly_the_carried_fields(spec, data) -> None:
     fields, heads = spec
-    split = any(f.tp_axis is not None for f in fields)
-    sizes = _tp_sizes(heads if split else 0)
+    split, sizes = _splits(fields, heads)
     P, D = data.draw(st.sampled_from(sizes)), data.draw(st.sampled_from(sizes))
     values = _global_values(fields, 3, data.draw(st.integers(0, 99)))
     q = data.draw(st.integers(0, D - 1))
@@ -292,13 +298,7 @@ def test_checkpoint_plans_move_exactly_the_carried_fields(spec, data) -> None:
     before = dst.buf.clone()
     for p in contributing_ranks(P, D, q, split=split):
         src = ShardMajorArena(fields, 3, "cpu", tp=P, rank=p)
-        for f in fields:
-            lo, hi = _rank_heads(f, P, p) if f.tp_axis is not None else (0, 0)
-            for g in range(src.geometry.local_units if f.tp_axis is not None else 0):
-                per = (hi - lo) // src.geometry.local_units
-                src.group_view(f.name, g).copy_(_slice(f, values[f.name], lo + g * per, lo + (g + 1) * per))
-            if f.tp_axis is None:
-                src.view(f.name).copy_(values[f.name])
+        _fill(src, values)
         table, = plan_rank_pair(src, dst, [2, 0], [1, 3], checkpoint=True)
         _apply(table, src.buf, dst.buf)
     fresh = ShardMajorArena(fields, 4, "cpu", tp=D, rank=q)
