@@ -19,6 +19,9 @@ a non-zero exit, never a hang.
 
 A transport that cannot cross processes (loopback) runs both workers as
 threads of this process instead; see `examples.launching`.
+
+`--prefill-tp P --decode-tp D` (and `--replicated`) runs the heterogeneous
+tensor-parallel variant instead, one process per rank: `examples.launch_tp`.
 """
 
 from __future__ import annotations
@@ -212,6 +215,11 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    flags = sys.argv[1:] if argv is None else argv
+    if any(a.split("=")[0] in ("--prefill-tp", "--decode-tp") for a in flags):
+        from .launch_tp import main as launch_tp  # one process per TP rank: examples.launch_tp
+
+        return launch_tp(flags)
     args = parse_args(argv)
     # SIGTERM/SIGHUP unwind like Ctrl-C, so `run`'s finally stops the workers.
     # Restored afterwards: main() is also called in-process (tests).

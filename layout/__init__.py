@@ -5,7 +5,10 @@ requests. It answers three questions from one field walk:
 - where a field's bytes are (`EntryField`, `field_extents`, the arenas' views);
 - which byte ranges ship a set of entries (`plan_segments`, segment tables);
 - whether two peers agree on all of that (`describe`, `fingerprint`,
-  `describe_diff`).
+  `describe_diff`);
+- for tensor parallelism, which part of an entry a rank holds
+  (`ShardMajorArena`) and which bytes a prefill rank ships to a decode rank
+  of another TP size (`rank_pair`, `contributing_ranks`).
 The page-major builders reproduce SGLang's envelope byte for byte, so a worker
 can swap them in and still ship whole pages.
 """
@@ -17,7 +20,14 @@ from .arenas import (
     carve_layer_major,
     plan_field_planes,
 )
-from .describe import FORMAT_VERSION, describe, describe_diff, fingerprint
+from .describe import (
+    FORMAT_VERSION,
+    describe,
+    describe_diff,
+    fingerprint,
+    is_split_pair,
+    split_of,
+)
 from .errors import LayoutError, PdxferError
 from .fields import (
     EntryField,
@@ -37,17 +47,29 @@ from .page_major import (
 )
 from .per_layer import PerLayerArena
 from .segments import arena_buffers, check_indices, coalesce, plan_segments
+from .shards import ShardGeometry, ShardMajorArena, shard_geometry
+from .tp_plan import (
+    RankPair,
+    contributing_ranks,
+    pair_pieces,
+    plan_rank_pair,
+    rank_pair,
+    replica_source,
+)
 
 __all__ = [
-    "FORMAT_VERSION",
     "EntryField",
     "EntryMajorArena",
+    "FORMAT_VERSION",
     "LayerMajorArena",
     "LayoutError",
     "PageMajorMHAArena",
     "PageMajorMambaArena",
     "PdxferError",
     "PerLayerArena",
+    "RankPair",
+    "ShardGeometry",
+    "ShardMajorArena",
     "SplitEntryMajorArena",
     "arena_buffers",
     "build_page_major_mamba_views",
@@ -57,14 +79,22 @@ __all__ = [
     "check_indices",
     "checkpoint_ranges_for",
     "coalesce",
+    "contributing_ranks",
     "describe",
     "describe_diff",
     "entry_bytes_for",
     "field_extents",
     "fingerprint",
+    "is_split_pair",
     "mamba_entry_bytes",
     "mha_entry_bytes",
+    "pair_pieces",
     "plan_field_planes",
+    "plan_rank_pair",
     "plan_regions",
     "plan_segments",
+    "rank_pair",
+    "replica_source",
+    "shard_geometry",
+    "split_of",
 ]

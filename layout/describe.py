@@ -11,6 +11,13 @@ of one model. `describe_diff` says in one sentence what the first difference
 is, so a handshake refusal names the field and attribute instead of two
 hashes.
 
+A shard-major arena (`layout.shards`) is described by its GLOBAL format
+(the unsharded fields, `tp_axis` included, and the head-group size) plus its
+TP size and rank and what that split places. Two ranks of different splits
+differ in fingerprint yet may exchange bytes: `describe_diff` compares their
+global formats and checks each split against its own (`split_of`), and
+returns None when they are compatible (`is_split_pair` says it is that case).
+
 Canonical encoding: msgpack of the dict with keys sorted at every level,
 tuples as lists, floats as float64. That is a function of the values alone,
 so equal declarations hash equal in every process and on every machine.
@@ -23,12 +30,14 @@ import math
 from typing import Any
 
 import msgpack
+import torch
 
 from .arenas import EntryMajorArena, LayerMajorArena, SplitEntryMajorArena
 from .errors import LayoutError
-from .fields import EntryField
+from .fields import EntryField, field_extents, strictest_align
 from .per_layer import PerLayerArena
 from .segments import Arena, _unknown
+from .shards import ShardGeometry, ShardMajorArena, shard_geometry
 
 # Bump when the meaning of a description (or the arithmetic behind it) changes,
 # so a peer running other layout code cannot match by accident.
@@ -40,10 +49,15 @@ _NOT_FORMAT = ("entries", "live_entries")
 # Field attributes in the order `describe_diff` reports them.
 _FIELD_ATTRS = ("name", "layers", "shape", "dtype", "fill", "align", "in_checkpoint")
 
+# A shard-major description's facts that follow from (global format, TP size,
+# rank): they differ between the ranks of two compatible splits and are
+# checked against the global format by `split_of` instead of compared.
+_SHARD_LOCAL = ("tp", "entry_bytes", "slot_stride", "offsets")
+
 
 def _describe_field(field: EntryField) -> dict[str, Any]:
     fill = float(field.fill)
-    return {
+    desc = {
         "name": field.name,
         "layers": field.layers,
         "shape": list(field.shape),
@@ -53,10 +67,34 @@ def _describe_field(field: EntryField) -> dict[str, Any]:
         "align": field.align,
         "in_checkpoint": field.in_checkpoint,
     }
+    # Only when set, so every description written before TP splits keeps its hash.
+    if field.tp_axis is not None:
+        desc["tp_axis"] = field.tp_axis
+    return desc
+
+
+def _describe_shards(arena: ShardMajorArena) -> dict[str, Any]:
+    """The global (unsharded) format, plus this rank's split and what it places."""
+    g = arena.geometry
+    return {
+        "version": FORMAT_VERSION,
+        "kind": arena.kind,
+        "fields": [_describe_field(f) for f in arena.declared],
+        "units": g.units,
+        "unit_bytes": g.unit_bytes,
+        "tp": {"size": g.tp, "rank": g.rank},
+        "entries": arena.entries,
+        "live_entries": arena.live_entries,
+        "entry_bytes": arena.entry_bytes,
+        "slot_stride": arena.slot_stride,
+        "offsets": {f.name: arena.field_offset(f.name) for f in arena.fields},
+    }
 
 
 def describe(arena: Arena) -> dict[str, Any]:
     """Everything a peer needs to agree on an arena's bytes, as a plain dict."""
+    if isinstance(arena, ShardMajorArena):
+        return _describe_shards(arena)
     if isinstance(arena, SplitEntryMajorArena):
         planes = [
             {
@@ -162,10 +200,16 @@ def _first_diff(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
 def describe_diff(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     """One sentence naming the first format difference between two descriptions, or None.
 
-    E.g. `field 'score_state' differs in fill: -inf vs 0.0`. None exactly
-    when the fingerprints are equal; `entries` and `live_entries` are not
-    compared, as `fingerprint` does not hash them.
+    E.g. `field 'score_state' differs in fill: -inf vs 0.0`. None when the
+    fingerprints are equal; `entries` and `live_entries` are not compared, as
+    `fingerprint` does not hash them. Also None for two shard-major
+    descriptions at different TP splits of one global format, each split
+    valid (`is_split_pair` tells that case apart): they exchange bytes
+    through `layout.tp_plan`, so a handshake accepts them.
     """
+    if (isinstance(a, dict) and isinstance(b, dict) and a.get("kind") == b.get("kind")
+            == ShardMajorArena.kind and not _same(a.get("tp"), b.get("tp"))):
+        return _split_diff(a, b)
     for key in ("version", "kind"):
         if not _same(a.get(key), b.get(key)):
             return f"{key} differs: {_show(a.get(key))} vs {_show(b.get(key))}"
@@ -196,3 +240,76 @@ def describe_diff(a: dict[str, Any], b: dict[str, Any]) -> str | None:
             return f"{top} differs in {inner}: {_show(va)} vs {_show(vb)}"
         return f"{path} differs: {_show(va)} vs {_show(vb)}"
     return None
+
+
+def _split_diff(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """The global formats compared, then each split checked against its own."""
+    found = describe_diff(*({k: v for k, v in d.items() if k not in _SHARD_LOCAL} for d in (a, b)))
+    if found is not None:
+        return found
+    for desc in (a, b):
+        try:
+            split_of(desc)
+        except LayoutError as exc:
+            return f"TP split {_show(desc.get('tp'))} refused: {exc}"
+    return None
+
+
+def is_split_pair(a: Any, b: Any) -> bool:
+    """Whether two descriptions are shard-major at different TP splits.
+
+    Why: such a pair has different fingerprints yet may exchange bytes, so a
+    handshake asks `describe_diff` (None: compatible) and this (the pair needs
+    rank-pair planning, `layout.rank_pair`) instead of comparing hashes.
+    """
+    return (isinstance(a, dict) and isinstance(b, dict)
+            and a.get("kind") == b.get("kind") == ShardMajorArena.kind
+            and not _same(a.get("tp"), b.get("tp")))
+
+
+def _field_from_desc(d: Any) -> EntryField:
+    if not isinstance(d, dict):
+        raise LayoutError(f"a described field is a dict, got {type(d).__name__}")
+    dtype = getattr(torch, str(d.get("dtype", "")).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise LayoutError(f"field {d.get('name')!r} names no torch dtype: {d.get('dtype')!r}")
+    try:
+        return EntryField(d["name"], d["layers"], tuple(d["shape"]), dtype, d["fill"],
+                          d["align"], d["in_checkpoint"], d.get("tp_axis"))
+    except (KeyError, TypeError) as exc:
+        raise LayoutError(f"field {d.get('name')!r} is malformed: missing or bad {exc}") from None
+
+
+def split_of(desc: dict[str, Any]) -> tuple[ShardGeometry, int]:
+    """`(geometry, slot_stride)` of a shard-major description, rebuilt from its global format.
+
+    Why: a peer's claims about its local entry (size, offsets, stride) are
+    only trusted where they equal what its global format and split give, so
+    a planner never addresses bytes from a number the peer merely asserted.
+    Refusals (`LayoutError`) name the field or the number that differs.
+    """
+    if not isinstance(desc, dict) or desc.get("kind") != ShardMajorArena.kind:
+        raise LayoutError("not a shard-major description (see layout.describe)")
+    tp = desc.get("tp")
+    if not (isinstance(tp, dict) and type(tp.get("size")) is int and type(tp.get("rank")) is int):
+        raise LayoutError(f"tp must be {{'size': int, 'rank': int}}, got {tp!r}")
+    raw = desc.get("fields")
+    if not isinstance(raw, list):
+        raise LayoutError("fields must be a list")
+    geometry = shard_geometry([_field_from_desc(f) for f in raw], tp["size"], tp["rank"])
+    want = {
+        "units": geometry.units,
+        "unit_bytes": geometry.unit_bytes,
+        "entry_bytes": geometry.entry_bytes,
+        "offsets": {f.name: start for f, start, _ in field_extents(geometry.local)},
+    }
+    for key, value in want.items():
+        if not _same(desc.get(key), value):
+            raise LayoutError(f"{key} is {_show(desc.get(key))} but the split gives {_show(value)}")
+    stride = desc.get("slot_stride")
+    align = strictest_align(geometry.local)
+    if type(stride) is not int or stride < geometry.entry_bytes or stride % align:
+        raise LayoutError(
+            f"slot_stride {stride!r} must be an int >= {geometry.entry_bytes} and a multiple of {align}"
+        )
+    return geometry, stride

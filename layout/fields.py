@@ -142,6 +142,11 @@ class EntryField:
     # a ring carried in *some* rows depends on the checkpoint's phase, which
     # this module is not given and must not guess.
     in_checkpoint: bool = True
+    # Which dim of `shape` tensor parallelism splits (the KV-head axis), or
+    # None for a field every rank holds whole (MLA's latent KV, recurrent
+    # state replicated across ranks). Only `ShardMajorArena` reads it; the
+    # other arenas lay the field out unsplit whatever it says.
+    tp_axis: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -178,6 +183,14 @@ class EntryField:
             raise LayoutError(
                 f"{self.name}: in_checkpoint must be a bool, got {self.in_checkpoint!r}"
             )
+        if self.tp_axis is not None:
+            axis = _require_int(self.tp_axis, f"{self.name}: tp_axis")
+            if axis >= len(shape) or not shape[axis]:
+                raise LayoutError(
+                    f"{self.name}: tp_axis {axis} names no non-empty dim of shape "
+                    f"{list(shape)}; pass the index of the KV-head dim, or None for a "
+                    "field every rank holds whole"
+                )
 
     @property
     def per_layer_numel(self) -> int:

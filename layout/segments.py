@@ -375,6 +375,18 @@ def _plan_layer_major(
     return _merge(*(np.concatenate(col) for col in zip(*parts, strict=True)))
 
 
+def _index_pair(src_idx: object, dst_idx: object) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination indices as arrays of one length (not yet range-checked)."""
+    src = _as_indices(src_idx, "source index")
+    dst = _as_indices(dst_idx, "destination index")
+    if src.size != dst.size:
+        raise LayoutError(
+            f"{src.size} source indices but {dst.size} destination indices; pass one "
+            "destination entry per source entry"
+        )
+    return src, dst
+
+
 def plan_segments(
     arena: Arena,
     src_idx: object,
@@ -395,13 +407,7 @@ def plan_segments(
     unequal lengths, negative indices, sources outside this arena's live
     range, destinations `>= dst_entries`, repeated destinations.
     """
-    src = _as_indices(src_idx, "source index")
-    dst = _as_indices(dst_idx, "destination index")
-    if src.size != dst.size:
-        raise LayoutError(
-            f"{src.size} source indices but {dst.size} destination indices; pass one "
-            "destination entry per source entry"
-        )
+    src, dst = _index_pair(src_idx, dst_idx)
     entries, first_live = _index_space(arena)
     dst_entries = entries if dst_entries is None else _require_int(dst_entries, "dst_entries")
     if src.size <= _TINY:

@@ -14,7 +14,9 @@ What a serving engine links into its workers, in a page of code:
 
 Both engines register each allocation once at start-up, describe their pools
 in the handshake (refusing a layout mismatch with the pool and field named),
-and ship one transfer per pool per request, planned by `layout`.
+and ship one transfer per pool per request, planned by `layout`. When prefill
+and decode run different TP sizes, each rank's engine serves shard-major pools
+and `HeteroTPPrefill`/`HeteroTPDecode` split a request into rank pairs.
 """
 
 from .config import EngineConfig, KVPoll, RequestStats
@@ -36,6 +38,7 @@ from .errors import (
     TransportError,
 )
 from .prefill import PrefillEngine
+from .tp_group import HeteroTPDecode, HeteroTPPrefill, group_address, sub_request_id
 
 __all__ = [
     "BoundsError",
@@ -44,6 +47,8 @@ __all__ = [
     "ConfigError",
     "DecodeEngine",
     "EngineConfig",
+    "HeteroTPDecode",
+    "HeteroTPPrefill",
     "KVPoll",
     "LayoutError",
     "LayoutMismatchError",
@@ -57,4 +62,6 @@ __all__ = [
     "RequestStats",
     "TransferTimeout",
     "TransportError",
+    "group_address",
+    "sub_request_id",
 ]

@@ -25,7 +25,9 @@ region pair — so 2L for separately allocated layers, 1 for a carved set.
 
 Pool compatibility is decided here too (`mismatch`), once, for both sides: the
 fingerprints of the format must agree pool by pool, and the first difference
-is reported in `layout.describe_diff`'s words with the pool named.
+is reported in `layout.describe_diff`'s words with the pool named. Two
+shard-major pools at different TP splits of one format differ in fingerprint
+yet are compatible when layout says so; their route plans the rank pair.
 """
 
 from __future__ import annotations
@@ -154,6 +156,8 @@ def mismatch(prefill: tuple[dict, dict], decode: tuple[dict, dict]) -> str | Non
     for name in sorted(p_descs):
         if p_fps.get(name) != d_fps.get(name):
             diff = layout.describe_diff(p_descs[name], d_descs[name])
+            if diff is None and layout.is_split_pair(p_descs[name], d_descs[name]):
+                continue  # two TP splits of one format: the Route plans the rank pair
             return (f"pool {name!r}: {diff or 'layout fingerprints differ'} "
                     "(prefill vs decode); build both pools from the same declaration")
     return None
@@ -172,10 +176,11 @@ class Route:
     allocations need one transfer each.
     """
 
-    __slots__ = ("arena", "direct", "dst_entries", "groups", "single")
+    __slots__ = ("arena", "direct", "dst_entries", "groups", "pair", "single")
 
     def __init__(self, pools: PoolSet, name: str, remote_buffers: Any,
-                 remote_regions: list[dict], remote_entries: int) -> None:
+                 remote_regions: list[dict], remote_entries: int,
+                 remote_desc: dict | None = None) -> None:
         local = pools.buffers[name]
         if not isinstance(remote_buffers, list) or len(remote_buffers) != len(local):
             raise ProtocolError(
@@ -183,6 +188,11 @@ class Route:
             )
         self.arena = pools.arenas[name]
         self.dst_entries = remote_entries
+        # A peer at another TP split of the same format: layout plans the pair.
+        try:
+            self.pair = layout.rank_pair(self.arena, remote_desc)
+        except layout.LayoutError as exc:
+            raise ProtocolError(f"pool {name!r}: {exc}") from exc
         grouped: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for b, ((lr, ls), rb) in enumerate(zip(local, remote_buffers, strict=True)):
             ok = (isinstance(rb, list) and len(rb) == 2 and all(type(v) is int for v in rb)
@@ -212,8 +222,11 @@ class Route:
     def plan(self, src: np.ndarray, dst: np.ndarray,
              checkpoint: bool) -> list[tuple[LocalRegion, dict, np.ndarray]]:
         """`(local region, remote descriptor, table)` per transfer, empty tables dropped."""
-        tables = layout.plan_segments(self.arena, src, dst, checkpoint=checkpoint,
-                                      dst_entries=self.dst_entries)
+        if self.pair is not None:
+            tables = self.pair.plan(src, dst, dst_entries=self.dst_entries, checkpoint=checkpoint)
+        else:
+            tables = layout.plan_segments(self.arena, src, dst, checkpoint=checkpoint,
+                                          dst_entries=self.dst_entries)
         if self.single is not None:
             region, remote, ls, rs = self.single
             table = tables[0]
@@ -253,5 +266,6 @@ def peer_routes(pools: PoolSet, peer_pools: Any, peer_buffers: Any,
         entries = peer_pools[name].get("entries")
         if type(entries) is not int or entries < 0:
             raise ProtocolError(f"pool {name!r}: the peer's entry count is {entries!r}")
-        routes[name] = Route(pools, name, peer_buffers.get(name), peer_regions, entries)
+        routes[name] = Route(pools, name, peer_buffers.get(name), peer_regions, entries,
+                             peer_pools[name])
     return routes

@@ -38,10 +38,11 @@ from pdxfer.session import parse_address
 
 def test_public_api_is_pinned() -> None:
     assert pdxfer.__all__ == [
-        "BoundsError", "CapabilityError", "ClosedError", "ConfigError", "DecodeEngine", "EngineConfig", "KVPoll",
+        "BoundsError", "CapabilityError", "ClosedError", "ConfigError", "DecodeEngine", "EngineConfig",
+        "HeteroTPDecode", "HeteroTPPrefill", "KVPoll",
         "LayoutError", "LayoutMismatchError", "PdxferError", "PeerLostError", "PrefillEngine",
         "ProtocolError", "RegistrationError", "RequestError", "RequestFailed", "RequestStats",
-        "TransferTimeout", "TransportError",
+        "TransferTimeout", "TransportError", "group_address", "sub_request_id",
     ]
     for name in pdxfer.__all__:
         assert getattr(pdxfer, name) is not None

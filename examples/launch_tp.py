@@ -1,0 +1,166 @@
+"""`python -m examples.launch_tp --prefill-tp 4 --decode-tp 2`: heterogeneous TP, checked.
+
+Starts every rank as its own process, all at once (`examples.tp_rank`: P
+prefill ranks and D decode ranks, each group joined by gloo; forked from this
+process, so torch is imported once), hands the decode ranks the prefill
+group's addresses, and collects each rank's result.
+Each request's tokens (every decode rank computes them) are compared with the
+monolithic run of the same model in this process (`tp_model.tp_reference`),
+and each decode rank's segment count with "entries (merged runs) x
+contributing rank pairs", per pool. Exit 0 only when every output is
+identical and every count matches; 1 otherwise. `launch_pd --prefill-tp ...`
+lands here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+
+from pdxfer.layout import contributing_ranks
+
+from .caches import prefill_counts
+from .launching import WorkerStartError
+from .tp_model import TP_CONFIG, tp_reference
+from .tp_rank import forked, prompts
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m examples.launch_tp",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--prefill-tp", type=int, default=4)
+    parser.add_argument("--decode-tp", type=int, default=2)
+    parser.add_argument("--replicated", action="store_true",
+                        help="MLA-style: K/V replicated on every rank, shipped from one")
+    parser.add_argument("--requests", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=12)
+    parser.add_argument("--gen-len", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=20.0)
+    args, _ = parser.parse_known_args(argv)  # launch_pd's own flags may ride along
+    for name in ("prefill_tp", "decode_tp"):
+        tp = getattr(args, name)
+        if tp < 1 or TP_CONFIG.heads % tp:
+            parser.error(f"--{name.replace('_', '-')} {tp} must divide the model's "
+                         f"{TP_CONFIG.heads} heads")
+    for name in ("requests", "prompt_len", "gen_len"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def _rank_argv(args: argparse.Namespace, role: str, tp: int, peer_tp: int, rank: int,
+               store: str) -> list[str]:
+    return ["--role", role, "--tp", str(tp), "--rank", str(rank), "--peer-tp", str(peer_tp),
+            "--store", store, "--requests", str(args.requests), "--prompt-len",
+            str(args.prompt_len), "--gen-len", str(args.gen_len), "--seed", str(args.seed),
+            "--timeout", str(args.timeout)] + (["--replicated"] if args.replicated else [])
+
+
+class Rank:
+    """One forked rank process and the launcher's end of its pipe."""
+
+    def __init__(self, argv: list[str]) -> None:
+        ctx = mp.get_context("fork")  # torch is imported here already: the rank reuses it
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=forked, args=(argv, child), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def expect(self, kind: str, deadline: float) -> object:
+        """The next message, which must be of `kind`; `WorkerStartError` otherwise."""
+        if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+            raise WorkerStartError(f"rank process {self.proc.pid} sent no {kind} in time")
+        try:
+            got, payload = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise WorkerStartError(f"rank process {self.proc.pid} exited with status "
+                                   f"{self.proc.exitcode} before its {kind}") from None
+        if got != kind:
+            raise WorkerStartError(f"rank process {self.proc.pid}: {payload}")
+        return payload
+
+    def stop(self, deadline: float) -> None:
+        self.proc.join(max(0.1, deadline - time.monotonic()))
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+def expected_segments(args: argparse.Namespace, q: int) -> int:
+    """Entries (merged runs) x contributing rank pairs, per pool, for decode rank q."""
+    P, D = args.prefill_tp, args.decode_tp
+    pages = prefill_counts(TP_CONFIG, args.prompt_len)["kv"]
+    if args.replicated or P == D:
+        kv = 1 * len(contributing_ranks(P, D, q, split=not args.replicated))  # one run of pages
+    else:
+        kv = pages * len(contributing_ranks(P, D, q))
+    return kv + 1 + 1  # the state entry and the aux entry, from the replica source
+
+
+def run(args: argparse.Namespace) -> int:
+    P, D = args.prefill_tp, args.decode_tp
+    print(f"pdxfer heterogeneous-TP example: prefill TP {P} -> decode TP {D}"
+          f"{' (replicated K/V, MLA-style)' if args.replicated else ''}, {args.requests} "
+          f"requests, prompt {args.prompt_len}, {args.gen_len} generated", flush=True)
+    ranks: list[Rank] = []
+    started = time.monotonic()
+    deadline = started + 6 * args.timeout + 60
+    with tempfile.TemporaryDirectory(prefix="pdxfer-tp-") as tmp:
+        try:
+            for rank in range(P):
+                ranks.append(Rank(_rank_argv(args, "prefill", P, D, rank,
+                                             os.path.join(tmp, "prefill"))))
+            for rank in range(D):
+                ranks.append(Rank(_rank_argv(args, "decode", D, P, rank,
+                                             os.path.join(tmp, "decode"))))
+            ready = [r.expect("ready", deadline) for r in ranks]
+            group = ",".join(info["bootstrap"] for info in ready[:P])
+            print(f"  {P + D} rank processes ready (pids "
+                  f"{', '.join(str(r.proc.pid) for r in ranks)}); prefill group {group}",
+                  flush=True)
+            for r in ranks[P:]:
+                r.conn.send(group)
+            results = [r.expect("result", deadline) for r in ranks]
+        except WorkerStartError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            for r in ranks:
+                r.stop(deadline if sys.exc_info()[0] is None else time.monotonic() + 5)
+    decode = results[P:]
+    ok = True
+    print(f"{'request':<10}{'bytes':>10}{'segments':>10}{'expected':>10}{'pairs':>7}  result")
+    for i, prompt in enumerate(prompts(args.seed, args.requests, args.prompt_len)):
+        rid = f"req-{i}"
+        want = tp_reference(prompt, args.gen_len, args.replicated)
+        got = [r["tokens"][rid] for r in decode]
+        segs = sum(r["segments"][rid] for r in decode)
+        expect = sum(expected_segments(args, q) for q in range(D))
+        pairs = sum(r["pairs"][rid] for r in decode)
+        same = all(t == want for t in got)
+        ok = ok and same and segs == expect
+        verdict = "identical" if same else f"MISMATCH: expected {want}, got {got}"
+        print(f"{rid:<10}{sum(r['nbytes'][rid] for r in decode):>10,}{segs:>10}{expect:>10}"
+              f"{pairs:>7}  {verdict} {got[0]}")
+    if ok:
+        print(f"outputs identical: all {args.requests} requests match the monolithic run token "
+              "for token; segments = entries (merged runs) x contributing rank pairs")
+    else:
+        print("FAILED: an output or a segment count differs")
+    print(f"finished in {time.monotonic() - started:.1f} s")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
