@@ -1,0 +1,219 @@
+"""The receiving side of one verbs link: its QP, receive slots, per-link MRs, and the fence.
+
+Each inbound link gets its own RC QP with `REMOTE_WRITE`, a CQ, `credits`
+receive slots for notes, and its own MR over every registered region
+(`LOCAL_WRITE|REMOTE_WRITE`), whose rkeys go to that sender alone in
+`Welcome`/`Regions`. Per-link MRs are what make `drop_peer` a real fence:
+
+`fence()` = QP -> ERR (stop taking packets, flush), then close every MR of
+this link, then destroy the QP. Only MR deregistration carries a written
+"no DMA after return" guarantee (the mlx5 revoke contract): a QP moved to
+ERR still lets a packet already being placed finish after `modify` returned.
+The software fabric models exactly that, and tests/transport/
+test_verbs_fabric.py shows a fence of ERR alone letting bytes in.
+
+Notes: a note arrives as a receive completion on this link's CQ — on RC,
+after every WRITE posted before it on the same QP is placed. The progress
+thread takes its bytes out of the slot, reposts the slot, delivers notify
+(without holding this link's lock: a handler may call `drop_peer`), then
+acks; an ack returns the sender's credit.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import struct
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import verbs_build as build
+from .errors import PeerLostError, ProtocolError, TransportError
+from .regions import Region
+from .verbs_conn import wc_error
+from .verbs_mem import access_flags, register_mr
+from .verbs_wire import CONTROL, SLOT, Acks, Bye, Gone, Hello, Refresh, Regions, unpack_note
+
+if TYPE_CHECKING:
+    from .verbs import VerbsEngine
+
+log = logging.getLogger(__name__)
+SEND_TIMEOUT = 5.0  # a sender that stops reading must not stall our progress thread in an ack
+
+
+class InboundPeer:
+    """One sender's link into this engine: its QP, slots, MRs, control socket and fence."""
+
+    def __init__(self, engine: VerbsEngine, sock: socket.socket, where: str) -> None:
+        self.engine, self.sock, self.where = engine, sock, where
+        self.sender: str | None = None
+        self.lock = threading.Lock()  # every verbs call on this link's QP/CQ/MRs
+        self.send_lock = threading.Lock()
+        self.dead = False
+        self.qp: Any = None
+        self.cq: Any = None
+        self._slots_mr: Any = None
+        self._mrs: dict[int, tuple[Any, int]] = {}  # region id -> (MR, base)
+        self._thread = threading.Thread(target=self._serve, name=f"verbs-in {where}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- setup --------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            self.sock.settimeout(self.engine.connect_timeout)
+            hello = CONTROL.recv(self.sock)
+            if not isinstance(hello, Hello):
+                raise ProtocolError(f"expected hello, got {type(hello).TYPE}")
+            self.sender = hello.engine
+            welcome = self.engine._admit(self, hello)  # builds the QP and MRs under the engine lock
+            self.sock.settimeout(None)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                 struct.pack("ll", int(SEND_TIMEOUT), 0))
+            self._send(welcome)
+            while not self.dead:
+                msg = CONTROL.recv(self.sock)
+                if isinstance(msg, Refresh):
+                    self._send(Regions(msg.query, self.region_rows()))
+                elif isinstance(msg, Bye):
+                    break
+                else:
+                    raise ProtocolError(f"unexpected {type(msg).TYPE} from sender {self.sender}")
+        except (TransportError, OSError) as exc:
+            if not self.dead and not isinstance(exc, PeerLostError):
+                log.warning("verbs link from %s (%s) dropped: %s", self.sender, self.where, exc)
+        except Exception:
+            log.exception("verbs link from %s (%s) failed", self.sender, self.where)
+        self.fence()
+
+    def build(self, hello: Hello, regions: list[Region]) -> tuple[int, int]:
+        """Create QP, slots and MRs and bring the QP to RTR: `(qpn, psn)` for the welcome."""
+        e, api = self.engine, self.engine.api
+        credits = e.credits
+        self.cq = api.CQ(e.ctx, credits + 8)
+        self.qp = api.QP(e.pd, build.qp_init_attr(api, self.cq, 1, credits, 1))
+        self._slots = np.zeros(credits * SLOT, np.uint8)
+        self._slots_base = int(self._slots.ctypes.data)
+        self._slots_mr = api.MR(e.pd, self._slots.nbytes, access_flags(api, False), address=self._slots_base)
+        for region in regions:
+            self.add_region(region)
+        psn = random.getrandbits(24)
+        p = e.port
+        attr = build.connect_attr(api, port_num=p.port_num, mtu=min(p.mtu, hello.mtu),
+                                  access=access_flags(api, True), dest_qpn=hello.qpn, rq_psn=hello.psn,
+                                  sq_psn=psn, lid=hello.lid, gid=hello.gid, sgid_index=p.gid_index,
+                                  ethernet=p.ethernet)
+        self.qp.to_init(attr)
+        for slot in range(credits):  # receives go in before RTR: the first note may follow at once
+            self._repost(slot)
+        self.qp.to_rtr(attr)
+        return self.qp.qp_num, psn
+
+    def _repost(self, slot: int) -> None:
+        api = self.engine.api
+        self.qp.post_recv(build.recv_wr(api, slot, self._slots_base + slot * SLOT, SLOT,
+                                        self._slots_mr.lkey))
+
+    def region_rows(self) -> bytes:
+        """`(region, address, length, rkey)` rows of this link's MRs, as int64 bytes."""
+        with self.lock:
+            rows = [[rid, base, mr.length, mr.rkey] for rid, (mr, base) in self._mrs.items()]
+        return np.array(rows, dtype="<i8").reshape(-1, 4).tobytes()
+
+    # -- regions ------------------------------------------------------------
+    def add_region(self, region: Region) -> None:
+        """Register `region` for this sender alone (its own rkey)."""
+        e = self.engine
+        with self.lock:
+            if self.dead or region.region_id in self._mrs:
+                return
+            self._mrs[region.region_id] = register_mr(e.api, e.pd, region, access_flags(e.api, True),
+                                                      e._dmabufs)
+
+    def drop_region(self, region_id: int, *, tell: bool = True) -> None:
+        """Deregister this link's MR of a region (waits out packets into it) and say `Gone`."""
+        with self.lock:
+            found = self._mrs.pop(region_id, None)
+            if found is not None:
+                found[0].close()
+        if found is not None and tell:
+            self.send(Gone(region_id))
+
+    # -- data path (called by the progress thread) ---------------------------
+    def poll(self) -> list[tuple[int, bytes | None]] | None:
+        """`(seq, payload)` of the notes that arrived; None once the link is dead."""
+        api = self.engine.api
+        out, broken = [], None
+        with self.lock:
+            if self.dead:
+                return None
+            _, wcs = self.cq.poll(self.engine.credits)
+            for wc in wcs:
+                if wc.status != api.E.ibv_wc_status.IBV_WC_SUCCESS:
+                    broken = wc_error(api, wc, self.sender or "?")
+                    break
+                slot = int(wc.wr_id)
+                data = self._slots[slot * SLOT: slot * SLOT + int(wc.byte_len)].tobytes()
+                self._repost(slot)
+                try:
+                    note = unpack_note(data)
+                except ProtocolError as exc:
+                    broken = exc
+                    break
+                out.append((note.seq, note.payload))
+        if broken is not None:
+            log.warning("verbs link from %s broke: %s", self.sender, broken)
+            self.fence()
+        return out
+
+    def ack(self, seqs: list[int]) -> None:
+        if seqs:
+            self.send(Acks(np.asarray(seqs, dtype="<i8").tobytes()))
+
+    def send(self, msg: object) -> None:
+        if self.dead:
+            return
+        try:
+            self._send(msg)
+        except TransportError as exc:
+            log.warning("verbs: link from %s lost while sending %s: %s", self.sender, type(msg).TYPE, exc)
+            self.fence()
+
+    def _send(self, msg: object) -> None:
+        with self.send_lock:
+            CONTROL.send(self.sock, msg)
+
+    # -- the fence ----------------------------------------------------------
+    def _revoke(self) -> None:
+        """Close every MR of this link: returns when no packet can land through them."""
+        for mr, _ in self._mrs.values():
+            mr.close()
+        self._mrs.clear()
+
+    def fence(self) -> None:
+        """After return, none of this sender's bytes lands in our memory. Idempotent."""
+        api = self.engine.api
+        with self.lock:
+            if self.dead:
+                return
+            self.dead = True
+            if self.qp is not None:
+                try:
+                    self.qp.modify(*build.err_attr(api))
+                except api.PyverbsError as exc:
+                    log.warning("verbs: moving the QP of %s to ERR failed: %s", self.sender, exc)
+            self._revoke()
+            for obj in (self.qp, self._slots_mr, self.cq):
+                if obj is not None:
+                    obj.close()
+            self.qp = self.cq = self._slots_mr = None
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.engine._forget(self)
