@@ -125,6 +125,7 @@ class Fabric:
         self._keys = itertools.count(0x1000)
         self._qpns = itertools.count(0x20)
         self._rr = 0
+        self._changed = False  # a step completed or failed a WR: look again before sleeping
         self._thread: threading.Thread | None = None
 
     # -- fault injection ----------------------------------------------------
@@ -233,8 +234,9 @@ class Fabric:
             with self.lock:
                 job = self._next_job()
                 while job is None:
-                    self.lock.wait(0.01 if any(q.sq and q.sq[0].deadline for q in self.qps.values())
-                                   else None)
+                    if not self._changed:  # nothing moved: sleep until posted to, or a retry is due
+                        self.lock.wait(0.01 if any(q.sq and q.sq[0].deadline for q in self.qps.values())
+                                       else None)
                     job = self._next_job()
             qp, key, dst, pieces = job
             hook = self.on_packet
@@ -251,6 +253,7 @@ class Fabric:
 
     def _next_job(self) -> tuple | None:
         """Under the lock: the next packet to copy, after doing every step that needs none."""
+        self._changed = False
         qps = list(self.qps.values())
         for i in range(len(qps)):
             qp = qps[(self._rr + i) % len(qps)]
@@ -290,7 +293,7 @@ class Fabric:
         else:
             if w.recv is None:
                 if not resp.rq:
-                    return self._retry(qp, w, RNR_RETRY_EXC_ERR, forever=resp.rnr_retry == 7)
+                    return self._retry(qp, w, RNR_RETRY_EXC_ERR, forever=qp.rnr_retry == 7)
                 w.recv = resp.rq.popleft()
                 addr, room, lkey = w.recv.sges[0]
                 if w.total > room or lkey not in self.mrs:
@@ -359,6 +362,8 @@ class Fabric:
 
     def _complete(self, qp: QPState, w: WQE, status: int, opcode: int, nbytes: int,
                   send: bool = True) -> None:
+        self._changed = True
+        self.lock.notify_all()  # pollers waiting on this CQ (tests) wake
         cq = qp.scq if send else qp.rcq
         frees = 1
         if send:
