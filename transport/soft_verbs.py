@@ -147,7 +147,7 @@ class Context:
 
 class PD:
     def __init__(self, context: Context) -> None:
-        self.ctx = context
+        self._ctx = context
         context._children.append(self)
 
     def close(self) -> None:
@@ -158,11 +158,11 @@ class MR:
     def __init__(self, creator: PD, length: int, access: int, address: int | None = None) -> None:
         if not address:
             raise PyverbsRDMAError("soft verbs registers caller memory only (address=)", errno.EINVAL)
-        self._state = creator.ctx.fabric.add_mr(creator, int(address), int(length), int(access))
-        self._fabric = creator.ctx.fabric
+        self._state = creator._ctx.fabric.add_mr(creator, int(address), int(length), int(access))
+        self._fabric = creator._ctx.fabric
         self.lkey = self.rkey = self._state.key
         self.length = int(length)
-        creator.ctx._children.append(self)
+        creator._ctx._children.append(self)
 
     def close(self) -> None:
         self._fabric.close_mr(self._state)
@@ -213,6 +213,14 @@ class AHAttr(_Attrs):
     _defaults = {"dlid": 0, "sl": 0, "src_path_bits": 0, "static_rate": 0, "is_global": 0,
                  "port_num": 1, "gr": None}
 
+    @property
+    def dgid(self) -> str | None:  # pyverbs reads the GRH fields through the AH attr
+        return self.gr.dgid.gid if self.gr is not None else None
+
+    @property
+    def sgid_index(self) -> int:
+        return self.gr.sgid_index if self.gr is not None else 0
+
 
 class QPAttr(_Attrs):
     _defaults = {"qp_state": 0, "cur_qp_state": 0, "path_mtu": 3, "port_num": 1, "pkey_index": 0,
@@ -246,10 +254,10 @@ class SendWR(_WR):
         self.wr_id, self.opcode, self.num_sge = wr_id, int(opcode), num_sge
         self.imm_data, self.send_flags = imm_data, int(send_flags)
         self._sg, self._next = list(sg or []), None
-        self.rkey = self._raddr = 0
+        self._rkey = self._raddr = 0  # write-only, as in pyverbs (its `rkey` is another field)
 
     def set_wr_rdma(self, rkey: int, addr: int) -> None:
-        self.rkey, self._raddr = int(rkey), int(addr)
+        self._rkey, self._raddr = int(rkey), int(addr)
 
 
 class RecvWR(_WR):
@@ -264,7 +272,7 @@ _TRANSITIONS = {(0, 1), (1, 1), (1, 2), (2, 3), (3, 3)}
 
 class QP:
     def __init__(self, creator: PD, init_attr: QPInitAttr) -> None:
-        ctx = creator.ctx
+        ctx = creator._ctx
         cap = init_attr.cap
         if (init_attr.qp_type != 2 or cap.max_send_wr > ctx.fabric.max_qp_wr
                 or cap.max_recv_wr > ctx.fabric.max_qp_wr or cap.max_send_sge > ctx.fabric.max_sge):
@@ -318,7 +326,7 @@ class QP:
             if wr.num_sge > self._state.max_send_sge:
                 raise PyverbsRDMAError("Failed to post send", errno.EINVAL)
             signaled = self._sig_all or bool(wr.send_flags & 2)
-            wqes.append(nic.WQE(wr.wr_id, wr.opcode, signaled, sges, wr.rkey, wr._raddr,
+            wqes.append(nic.WQE(wr.wr_id, wr.opcode, signaled, sges, wr._rkey, wr._raddr,
                                 sum(n for _, n, _ in sges)))
             wr = wr._next
         if self._fabric.post_send(self._state, wqes) < len(wqes):
