@@ -177,11 +177,14 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int) -> dict[st
                 h.wait(60.0)
             busy += time.perf_counter() - t0
         segs = [sum(len(t) for t in per.values()) for per in tables]
+        # verbs links count their work requests and doorbells (one per posted window)
+        wrs = (f"{conn.wrs / len(reqs):.1f}/{conn.doorbells / len(reqs):.1f}"
+               if hasattr(conn, "wrs") else "-")
     finally:
         a.close()
         b.close()
     return {"plan_us": statistics.median(plans) * 1e6, "post_us": statistics.median(posts) * 1e6,
-            "rps": len(reqs) / busy, "segments": segs}
+            "rps": len(reqs) / busy, "segments": segs, "wrs": wrs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.batch} in flight; medians per request")
     print()
     print("| backend | kv layout | segments | send us | plan us | write us | engine us "
-          "| bare write us | engine req/s | bare transport req/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| bare write us | engine req/s | bare transport req/s | WRs/doorbells |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for backend in args.backends.split(","):
         for kind in ("entry-major", "layer-major"):
             eng = _bench_engine(backend, kind, reqs, args.batch)
@@ -210,5 +213,5 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{backend}/{kind}: segments per request differ from contiguous runs")
             print(f"| {backend} | {kind} | {statistics.median(want):.0f} | {eng['send_us']:.1f} "
                   f"| {eng['plan_us']:.1f} | {eng['write_us']:.1f} | {eng['own_us']:.1f} "
-                  f"| {raw['post_us']:.1f} | {eng['rps']:.0f} | {raw['rps']:.0f} |")
+                  f"| {raw['post_us']:.1f} | {eng['rps']:.0f} | {raw['rps']:.0f} | {raw['wrs']} |")
     return 0
