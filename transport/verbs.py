@@ -35,7 +35,7 @@ import torch
 
 from . import verbs_api
 from .base import Capabilities, LocalRegion, NotifyHandler, TransportEngine
-from .errors import ClosedError, PeerLostError, TransportError
+from .errors import CapabilityError, ClosedError, PeerLostError, TransportError
 from .peering import SocketPeers
 from .regions import Region, RegionTable
 from .verbs_conn import VerbsConnection
@@ -58,6 +58,8 @@ class VerbsEngine(SocketPeers, TransportEngine):
         one_sided=True, notify=True, read=False,
     )
 
+    MAX_RAILS = 16
+
     @staticmethod
     def _load_api() -> Any:
         return verbs_api.load()
@@ -73,11 +75,13 @@ class VerbsEngine(SocketPeers, TransportEngine):
         gid_index: int | None = None,
         sq_depth: int = 256,
         credits: int = 32,
+        rails: int = 1,
         connect_timeout: float = 10.0,
     ) -> None:
         """`host`/`port`: the control listener. `device`/`port_num`/`gid_index` pin the NIC
         port and GID (default: first ACTIVE port, first RoCE v2 GID). `sq_depth`: WRs in flight
-        per link; `credits`: notes a sender may have unacknowledged. `streams` is unused."""
+        per link; `credits`: notes a sender may have unacknowledged per rail; `rails`: QPs per
+        outbound link that large transfers stripe over (1..MAX_RAILS). `streams` is unused."""
         del streams
         self.api = self._load_api()
         self.engine_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
@@ -86,7 +90,13 @@ class VerbsEngine(SocketPeers, TransportEngine):
         self.pd = self.api.PD(self.ctx)
         self.sq_depth = max(4, min(sq_depth, self.port.max_qp_wr))
         self.signal_every = max(1, self.sq_depth // 4)
-        self.credits = max(1, min(credits, self.port.max_qp_wr, self.port.max_cqe - 8))
+        if not 1 <= rails <= self.MAX_RAILS:
+            self.ctx.close()
+            raise CapabilityError(f"rails={rails}: use 1..{self.MAX_RAILS} QPs per link")
+        # Every rail's CQEs share one CQ per link, which the device caps at max_cqe.
+        self.rails = max(1, min(rails, (self.port.max_cqe - 8) // (2 * self.sq_depth + 8)))
+        self.credits = max(1, min(credits, self.port.max_qp_wr,
+                                  (self.port.max_cqe - 8) // self.MAX_RAILS))
         self.max_sge = max(1, min(self.port.max_sge, MAX_SGE))
         self.max_msg = max(4096, min(self.port.max_msg_sz, MAX_MSG))
         self.regions = RegionTable(self.name, self.engine_id, cuda=self.capabilities.cuda_memory)
@@ -192,11 +202,11 @@ class VerbsEngine(SocketPeers, TransportEngine):
                 raise PeerLostError(f"verbs engine {self.engine_id} is closing")
             self._peers.add(peer)
             try:
-                qpn, psn = peer.build(hello, list(self._live.values()))
+                qpns, psns = peer.build(hello, list(self._live.values()))
             except self.api.PyverbsError as exc:
                 raise TransportError(f"cannot build the link from {hello.engine}: {exc}") from exc
         p = self.port
-        return Welcome(self.engine_id, qpn, psn, p.lid, p.gid, p.mtu, peer.region_rows(), self.credits)
+        return Welcome(self.engine_id, qpns, psns, p.lid, p.gid, p.mtu, peer.region_rows(), self.credits)
 
     def _forget(self, peer: InboundPeer) -> None:
         with self._lock:

@@ -11,7 +11,8 @@ two side by side.
 Enums: rdma-core <= 58 ships `pyverbs.enums`, 59+ `pyverbs.libibverbs_enums`
 (Cython 3.1); both carry the class-qualified names used here.
 
-Also here: `probe()` (is there an active port? the registry lists "verbs"
+Also here: `wc_error`, the one place a failed work completion becomes our
+error (named by its WC status), and `probe()` (is there an active port? the registry lists "verbs"
 only then) and `pick_port()` (device, port, GID/LID choice with options to
 pin them), the one place that reads device and port attributes.
 """
@@ -24,7 +25,13 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CapabilityError
+from .errors import (
+    CapabilityError,
+    PeerLostError,
+    ProtocolError,
+    RegistrationError,
+    TransportError,
+)
 
 INSTALL_HINT = (
     "install rdma-core's Python bindings (Debian/Ubuntu: apt install python3-pyverbs "
@@ -164,3 +171,22 @@ def probe() -> str | None:
         return str(exc)
     ctx.close()
     return None
+
+
+def wc_error(api: Any, wc: Any, peer: str) -> TransportError:
+    """Our error for a failed work completion, naming its status."""
+    S = api.E.ibv_wc_status
+    status = int(wc.status)
+    what = (f"verbs completion from/to {peer} failed: {api.cqe_status_to_str(status)} "
+            f"(status {status}, vendor_err {int(wc.vendor_err):#x})")
+    if status in (S.IBV_WC_RETRY_EXC_ERR, S.IBV_WC_RNR_RETRY_EXC_ERR):
+        return PeerLostError(f"{what}: the peer is unreachable or dropped us")
+    if status == S.IBV_WC_REM_ACCESS_ERR:
+        return PeerLostError(f"{what}: the peer revoked access (fenced us or deregistered the region)")
+    if status in (S.IBV_WC_REM_INV_REQ_ERR, S.IBV_WC_LOC_LEN_ERR):
+        return ProtocolError(f"{what}: a message did not fit; the peers disagree on limits")
+    if status == S.IBV_WC_LOC_PROT_ERR:
+        return RegistrationError(f"{what}: a local SGE is outside its MR (deregistered mid-transfer?)")
+    if status == S.IBV_WC_WR_FLUSH_ERR:
+        return PeerLostError(f"{what}: the link had already failed")
+    return TransportError(what)

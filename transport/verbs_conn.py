@@ -1,15 +1,17 @@
 """The sending side of one verbs link: an RC QP, the peer's rkeys, windows of linked WRs.
 
-`VerbsConnection` is made by `VerbsEngine.connect`. It creates a CQ and an RC
-QP with `qp_access_flags=0` (nothing can write into us through an outbound
-link), says `Hello` on the control socket, learns the receiver's QP, regions
-and rkeys from `Welcome`, and moves its QP to RTS.
+`VerbsConnection` is made by `VerbsEngine.connect`. It creates one CQ and
+`rails` RC QPs with `qp_access_flags=0` (nothing can write into us through an
+outbound link), says `Hello` on the control socket, learns the receiver's
+QPs, regions and rkeys from `Welcome`, and moves its QPs to RTS.
 
 A write is: shared checks (`check_descriptor`, `check_table`, before any WR
 exists) -> `verbs_build.plan_wrs` (sorted, coalesced, split at the port's max
 message size, dst-contiguous rows gathered into multi-SGE WRs) -> WRITE WRs
--> one SEND carrying the transfer's `Note`. They enter the link's queue in
-order; `_pump` posts as many as the SQ has free slots as one linked list —
+-> one SEND carrying the transfer's `Note`. A transfer of at least
+`RAIL_MIN` bytes per rail is first cut into byte-balanced stripes, one per
+rail, each ending with its own note. They enter the rail's queue in order;
+`_pump` posts as many as the SQ has free slots as one linked list —
 one doorbell per window — and the progress thread posts the rest as
 completions free slots. Every `signal_every`-th WR and every note is
 signaled; a completion frees its slot and every earlier one (wr_id is the
@@ -47,7 +49,8 @@ from .errors import (
 )
 from .handles import Handle
 from .regions import check_descriptor
-from .segments import as_table, check_notify, check_table
+from .segments import as_table, balanced_parts, check_notify, check_table
+from .verbs_api import wc_error
 from .verbs_wire import CONTROL, SLOT, Acks, Bye, Gone, Hello, Refresh, Regions, Welcome, pack_note
 from .wire import ErrorMessage
 
@@ -56,6 +59,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 BYE_WAIT = 1.0
+RAIL_MIN = 1 << 20  # a transfer is striped over one rail per this many bytes, up to `rails`
+
+
+class _Rail:
+    """One QP of a link and its share of the stream: queue, WR ids, SQ slots, note credits."""
+
+    __slots__ = ("completed", "credits", "index", "next_id", "notes", "posted", "psn", "qp", "queue")
+
+    def __init__(self, index: int, qp: Any) -> None:
+        self.index, self.qp, self.psn = index, qp, random.getrandbits(24)
+        self.queue: collections.deque = collections.deque()  # SendWR, or (wr_id, note bytes)
+        self.next_id = self.completed = self.posted = self.notes = self.credits = 0
 
 
 def region_table(data: bytes) -> dict[int, tuple[int, int, int]]:
@@ -66,42 +81,23 @@ def region_table(data: bytes) -> dict[int, tuple[int, int, int]]:
     return {r: (a, n, k) for r, a, n, k in rows}
 
 
-def wc_error(api: Any, wc: Any, peer: str) -> TransportError:
-    """Our error for a failed work completion, naming its status."""
-    S = api.E.ibv_wc_status
-    status = int(wc.status)
-    what = (f"verbs completion from/to {peer} failed: {api.cqe_status_to_str(status)} "
-            f"(status {status}, vendor_err {int(wc.vendor_err):#x})")
-    if status in (S.IBV_WC_RETRY_EXC_ERR, S.IBV_WC_RNR_RETRY_EXC_ERR):
-        return PeerLostError(f"{what}: the peer is unreachable or dropped us")
-    if status == S.IBV_WC_REM_ACCESS_ERR:
-        return PeerLostError(f"{what}: the peer revoked access (fenced us or deregistered the region)")
-    if status in (S.IBV_WC_REM_INV_REQ_ERR, S.IBV_WC_LOC_LEN_ERR):
-        return ProtocolError(f"{what}: a message did not fit; the peers disagree on limits")
-    if status == S.IBV_WC_LOC_PROT_ERR:
-        return RegistrationError(f"{what}: a local SGE is outside its MR (deregistered mid-transfer?)")
-    if status == S.IBV_WC_WR_FLUSH_ERR:
-        return PeerLostError(f"{what}: the link had already failed")
-    return TransportError(what)
-
-
 class VerbsConnection(Connection):
     """A link to one peer engine: QP, control socket, the peer's regions, transfers awaiting acks."""
 
     def __init__(self, engine: VerbsEngine, host: str, port: int, peer: str) -> None:
         self._engine, self.peer, api = engine, peer, engine.api
         self._lock = threading.RLock()  # queue, ids, credits, posting, the QP's lifetime
-        self._pending: dict[int, Handle] = {}
+        self._pending: dict[int, tuple[Handle, int]] = {}  # seq -> (handle, rails it used)
         self._queries: dict[int, threading.Event] = {}
         self._error: TransportError | None = None
-        self._queue: collections.deque = collections.deque()  # SendWR, or (wr_id, seq, note bytes)
         self._seqs, self._qids = itertools.count(1), itertools.count(1)
-        self._next_id = self._completed = self._posted = 0
-        self._notes_sent = 0
         self.wrs = self.doorbells = 0  # counters for benchmarks and tests
         depth = engine.sq_depth
-        self._cq = api.CQ(engine.ctx, 2 * depth + 8)
-        self._qp = api.QP(engine.pd, build.qp_init_attr(api, self._cq, depth, 1, engine.max_sge))
+        # One send CQ for every rail: at most 2 CQEs per SQ slot (signaled + flushed) each.
+        self._cq = api.CQ(engine.ctx, engine.rails * (2 * depth + 8))
+        self._rails = [_Rail(i, api.QP(engine.pd, build.qp_init_attr(api, self._cq, depth, 1, engine.max_sge)))
+                       for i in range(engine.rails)]
+        self._by_qpn = {r.qp.qp_num: r for r in self._rails}
         self._mr = None
         try:
             sock = socket.create_connection((host, port), timeout=engine.connect_timeout)
@@ -112,7 +108,9 @@ class VerbsConnection(Connection):
         try:
             welcome = self._handshake(host, port)
             self._credits = welcome.credits
-            self._note_buf = np.zeros(welcome.credits * SLOT, np.uint8)
+            for rail in self._rails:
+                rail.credits = welcome.credits
+            self._note_buf = np.zeros(len(self._rails) * welcome.credits * SLOT, np.uint8)
             self._note_base = int(self._note_buf.ctypes.data)
             self._mr = api.MR(engine.pd, self._note_buf.nbytes, int(api.E.ibv_access_flags.IBV_ACCESS_LOCAL_WRITE),
                               address=self._note_base)
@@ -126,9 +124,9 @@ class VerbsConnection(Connection):
 
     def _handshake(self, host: str, port: int) -> Welcome:
         e, api = self._engine, self._engine.api
-        psn = random.getrandbits(24)
         p = e.port
-        CONTROL.send(self._sock, Hello(e.engine_id, self._qp.qp_num, psn, p.lid, p.gid, p.mtu))
+        CONTROL.send(self._sock, Hello(e.engine_id, [r.qp.qp_num for r in self._rails],
+                                       [r.psn for r in self._rails], p.lid, p.gid, p.mtu))
         welcome = CONTROL.recv(self._sock)
         if isinstance(welcome, ErrorMessage):
             raise ProtocolError(f"verbs engine {self.peer} refused the link: {welcome.reason}")
@@ -140,15 +138,17 @@ class VerbsConnection(Connection):
             )
         if not 0 < welcome.credits <= 4096:
             raise ProtocolError(f"welcome offers {welcome.credits} credits; expected 1..4096")
+        if len(welcome.qpns) != len(self._rails) or len(welcome.psns) != len(self._rails):
+            raise ProtocolError(f"welcome has {len(welcome.qpns)} QPs for our {len(self._rails)} rails")
         self._regions = region_table(welcome.regions)
-        attr = build.connect_attr(api, port_num=p.port_num, mtu=min(p.mtu, welcome.mtu), access=0,
-                                  dest_qpn=welcome.qpn, rq_psn=welcome.psn, sq_psn=psn,
-                                  lid=welcome.lid, gid=welcome.gid, sgid_index=p.gid_index,
-                                  ethernet=p.ethernet)
-        try:
-            self._qp.to_rts(attr)
-        except api.PyverbsError as exc:
-            raise PeerLostError(f"cannot connect the QP to {self.peer}: {exc}") from exc
+        for rail, qpn, psn in zip(self._rails, welcome.qpns, welcome.psns, strict=True):
+            attr = build.connect_attr(api, port_num=p.port_num, mtu=min(p.mtu, welcome.mtu), access=0,
+                                      dest_qpn=qpn, rq_psn=psn, sq_psn=rail.psn, lid=welcome.lid,
+                                      gid=welcome.gid, sgid_index=p.gid_index, ethernet=p.ethernet)
+            try:
+                rail.qp.to_rts(attr)
+            except api.PyverbsError as exc:
+                raise PeerLostError(f"cannot connect a QP to {self.peer}: {exc}") from exc
         return welcome
 
     @property
@@ -177,48 +177,56 @@ class VerbsConnection(Connection):
         table = as_table(segments)
         nbytes = check_table(table, src.length, dst_length)
         payload = check_notify(notify)
-        rows, starts = build.plan_wrs(table, e.max_sge, e.max_msg)
+        # Striped over rails by bytes: each rail's note lands after that rail's WRITEs, and the
+        # receiver delivers notify once every rail's note is in. Small transfers use one rail.
+        stripes = min(len(self._rails), max(1, -(-nbytes // RAIL_MIN)))
+        parts = balanced_parts(table, stripes) if stripes > 1 else [table]
+        plans = [build.plan_wrs(part, e.max_sge, e.max_msg) for part in parts]
         with self._lock:
             if self._error is not None:
                 raise self._error
             seq = next(self._seqs)
             handle = Handle(nbytes, f"verbs transfer {seq} to {self.peer}")
-            wrs = build.write_wrs(e.api, rows, starts, src_base=src_base, lkey=lkey, dst_base=base,
-                                  rkey=rkey, first_id=self._next_id, signal_every=e.signal_every)
-            self._next_id += len(wrs) + 1
-            self._pending[seq] = handle  # before posting: the ack may beat us back
-            self._queue.extend(wrs)
-            self._queue.append((self._next_id - 1, seq, pack_note(seq, payload)))
-            self._pump()
+            self._pending[seq] = (handle, len(plans))  # before posting: the ack may beat us back
+            for rail, (rows, starts) in zip(self._rails, plans, strict=False):
+                wrs = build.write_wrs(e.api, rows, starts, src_base=src_base, lkey=lkey,
+                                      dst_base=base, rkey=rkey, first_id=rail.next_id,
+                                      signal_every=e.signal_every)
+                rail.next_id += len(wrs) + 1
+                rail.queue.extend(wrs)
+                last = rail.index == len(plans) - 1
+                rail.queue.append((rail.next_id - 1, pack_note(seq, rail.index, len(plans),
+                                                               payload if last else None)))
+                self._pump(rail)
         e._kick()
         return handle
 
-    def _pump(self) -> None:
-        """Post one window: as many queued WRs as the SQ has slots, linked, one doorbell."""
+    def _pump(self, rail: _Rail) -> None:
+        """Post one window on `rail`: as many queued WRs as its SQ has slots, linked, one doorbell."""
         e, api = self._engine, self._engine.api
-        free = e.sq_depth - (self._posted - self._completed)
+        free = e.sq_depth - (rail.posted - rail.completed)
         window: list = []
-        while self._queue and len(window) < free:
-            item = self._queue[0]
+        while rail.queue and len(window) < free:
+            item = rail.queue[0]
             if isinstance(item, tuple):
-                if self._credits == 0:
+                if rail.credits == 0:
                     break
-                self._credits -= 1
-                wr_id, _, note = item
-                slot = self._notes_sent % (self._note_buf.nbytes // SLOT)
-                self._notes_sent += 1
+                rail.credits -= 1
+                wr_id, note = item
+                slot = rail.index * self._credits + rail.notes % self._credits
+                rail.notes += 1
                 self._note_buf[slot * SLOT: slot * SLOT + len(note)] = np.frombuffer(note, np.uint8)
                 item = build.note_wr(api, wr_id, self._note_base + slot * SLOT, len(note), self._mr.lkey)
-            self._queue.popleft()
+            rail.queue.popleft()
             window.append(item)
         if not window:
             return
         try:  # post_send copies the WRs into WQEs: `window` need only outlive the call
-            self._qp.post_send(build.link(window))
+            rail.qp.post_send(build.link(window))
         except api.PyverbsError as exc:
             self.sever(PeerLostError(f"posting {len(window)} WRs to {self.peer} failed: {exc}"))
             return
-        self._posted += len(window)
+        rail.posted += len(window)
         self.wrs += len(window)
         self.doorbells += 1
 
@@ -233,9 +241,11 @@ class VerbsConnection(Connection):
                 if wc.status != self._engine.api.E.ibv_wc_status.IBV_WC_SUCCESS:
                     self.sever(wc_error(self._engine.api, wc, self.peer))
                     return True
-                self._completed = max(self._completed, int(wc.wr_id) + 1)
+                rail = self._by_qpn[wc.qp_num]
+                rail.completed = max(rail.completed, int(wc.wr_id) + 1)
             if n:
-                self._pump()
+                for rail in self._rails:
+                    self._pump(rail)
             return bool(n)
 
     def _resolve(self, region_id: int) -> tuple[int, int, int]:
@@ -300,12 +310,15 @@ class VerbsConnection(Connection):
             raise ProtocolError(f"acks of {len(data)} B are not whole int64s")
         seqs = np.frombuffer(data, dtype="<i8").tolist()
         with self._lock:
-            handles = [self._pending.pop(s, None) for s in seqs]
-            self._credits += len(seqs)
-            self._pump()
-        for handle in handles:
-            if handle is not None:
-                handle.complete()
+            done = [self._pending.pop(s, None) for s in seqs]
+            for found in done:
+                for rail in self._rails[:found[1] if found else 0]:
+                    rail.credits += 1  # the peer reposted that rail's slot before acking
+            for rail in self._rails:
+                self._pump(rail)
+        for found in done:
+            if found is not None:
+                found[0].complete()
 
     # -- teardown -------------------------------------------------------------
     def sever(self, error: TransportError) -> None:
@@ -314,9 +327,10 @@ class VerbsConnection(Connection):
             if self._error is not None:
                 return
             self._error = error
-            pending, self._pending = list(self._pending.values()), {}
+            pending, self._pending = [h for h, _ in self._pending.values()], {}
             queries = list(self._queries.values())
-            self._queue.clear()
+            for rail in self._rails:
+                rail.queue.clear()
         for handle in pending:
             handle.fail(error)
         for done in queries:
@@ -325,16 +339,16 @@ class VerbsConnection(Connection):
             self._hang_up()
 
     def _destroy(self) -> None:
-        """QP to ERR, then destroy QP, note MR and CQ (under the lock: no poll is running)."""
+        """QPs to ERR, then destroy QPs, note MR and CQ (under the lock: no poll is running)."""
         api = self._engine.api
         with self._lock:
-            qp, self._qp = getattr(self, "_qp", None), None
-            if qp is not None:
+            rails, self._rails = getattr(self, "_rails", []), []
+            for rail in rails:
                 try:
-                    qp.modify(*build.err_attr(api))
+                    rail.qp.modify(*build.err_attr(api))
                 except api.PyverbsError:
                     pass
-                qp.close()
+                rail.qp.close()
             mr, self._mr = self._mr, None
             if mr is not None:
                 mr.close()

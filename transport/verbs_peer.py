@@ -1,12 +1,12 @@
 """The receiving side of one verbs link: its QP, receive slots, per-link MRs, and the fence.
 
-Each inbound link gets its own RC QP with `REMOTE_WRITE`, a CQ, `credits`
-receive slots for notes, and its own MR over every registered region
+Each inbound link gets its own RC QPs (one per rail of the sender) with
+`REMOTE_WRITE`, one CQ, `credits` receive slots per rail for notes, and its own MR over every registered region
 (`LOCAL_WRITE|REMOTE_WRITE`), whose rkeys go to that sender alone in
 `Welcome`/`Regions`. Per-link MRs are what make `drop_peer` a real fence:
 
-`fence()` = QP -> ERR (stop taking packets, flush), then close every MR of
-this link, then destroy the QP. Only MR deregistration carries a written
+`fence()` = QPs -> ERR (stop taking packets, flush), then close every MR of
+this link, then destroy the QPs. Only MR deregistration carries a written
 "no DMA after return" guarantee (the mlx5 revoke contract): a QP moved to
 ERR still lets a packet already being placed finish after `modify` returned.
 The software fabric models exactly that, and tests/transport/
@@ -33,7 +33,7 @@ import numpy as np
 from . import verbs_build as build
 from .errors import PeerLostError, ProtocolError, TransportError
 from .regions import Region
-from .verbs_conn import wc_error
+from .verbs_api import wc_error
 from .verbs_mem import access_flags, register_mr
 from .verbs_wire import CONTROL, SLOT, Acks, Bye, Gone, Hello, Refresh, Regions, unpack_note
 
@@ -53,8 +53,9 @@ class InboundPeer:
         self.lock = threading.Lock()  # every verbs call on this link's QP/CQ/MRs
         self.send_lock = threading.Lock()
         self.dead = False
-        self.qp: Any = None
+        self.qps: list = []  # one RC QP per rail of the sender
         self.cq: Any = None
+        self._partial: dict[int, list] = {}  # seq -> [notes arrived, payload] of striped transfers
         self._slots_mr: Any = None
         self._mrs: dict[int, tuple[Any, int]] = {}  # region id -> (MR, base)
         self._thread = threading.Thread(target=self._serve, name=f"verbs-in {where}", daemon=True)
@@ -90,33 +91,41 @@ class InboundPeer:
             log.exception("verbs link from %s (%s) failed", self.sender, self.where)
         self.fence()
 
-    def build(self, hello: Hello, regions: list[Region]) -> tuple[int, int]:
-        """Create QP, slots and MRs and bring the QP to RTR: `(qpn, psn)` for the welcome."""
+    def build(self, hello: Hello, regions: list[Region]) -> tuple[list[int], list[int]]:
+        """Create QPs, slots and MRs and bring the QPs to RTR: `(qpns, psns)` for the welcome."""
         e, api = self.engine, self.engine.api
+        rails = len(hello.qpns)
+        ints = all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 24
+                   for v in hello.qpns + hello.psns)
+        if not 0 < rails <= e.MAX_RAILS or len(hello.psns) != rails or not ints:
+            raise ProtocolError(f"hello names {rails} QPs / {len(hello.psns)} PSNs; expected "
+                                f"1..{e.MAX_RAILS} of each, 24-bit ints")
         credits = e.credits
-        self.cq = api.CQ(e.ctx, credits + 8)
-        self.qp = api.QP(e.pd, build.qp_init_attr(api, self.cq, 1, credits, 1))
-        self._slots = np.zeros(credits * SLOT, np.uint8)
+        self.cq = api.CQ(e.ctx, rails * credits + 8)
+        self.qps = [api.QP(e.pd, build.qp_init_attr(api, self.cq, 1, credits, 1)) for _ in range(rails)]
+        self._slots = np.zeros(rails * credits * SLOT, np.uint8)
         self._slots_base = int(self._slots.ctypes.data)
         self._slots_mr = api.MR(e.pd, self._slots.nbytes, access_flags(api, False), address=self._slots_base)
         for region in regions:
             self.add_region(region)
-        psn = random.getrandbits(24)
-        p = e.port
-        attr = build.connect_attr(api, port_num=p.port_num, mtu=min(p.mtu, hello.mtu),
-                                  access=access_flags(api, True), dest_qpn=hello.qpn, rq_psn=hello.psn,
-                                  sq_psn=psn, lid=hello.lid, gid=hello.gid, sgid_index=p.gid_index,
-                                  ethernet=p.ethernet)
-        self.qp.to_init(attr)
-        for slot in range(credits):  # receives go in before RTR: the first note may follow at once
-            self._repost(slot)
-        self.qp.to_rtr(attr)
-        return self.qp.qp_num, psn
+        p, psns = e.port, []
+        for r, qp in enumerate(self.qps):
+            psns.append(random.getrandbits(24))
+            attr = build.connect_attr(api, port_num=p.port_num, mtu=min(p.mtu, hello.mtu),
+                                      access=access_flags(api, True), dest_qpn=hello.qpns[r],
+                                      rq_psn=hello.psns[r], sq_psn=psns[-1], lid=hello.lid,
+                                      gid=hello.gid, sgid_index=p.gid_index, ethernet=p.ethernet)
+            qp.to_init(attr)
+            for slot in range(r * credits, (r + 1) * credits):  # before RTR: a note may follow at once
+                self._repost(slot)
+            qp.to_rtr(attr)
+        return [qp.qp_num for qp in self.qps], psns
 
     def _repost(self, slot: int) -> None:
+        """Post receive slot `slot` (rail `slot // credits`) again."""
         api = self.engine.api
-        self.qp.post_recv(build.recv_wr(api, slot, self._slots_base + slot * SLOT, SLOT,
-                                        self._slots_mr.lkey))
+        self.qps[slot // self.engine.credits].post_recv(
+            build.recv_wr(api, slot, self._slots_base + slot * SLOT, SLOT, self._slots_mr.lkey))
 
     def region_rows(self) -> bytes:
         """`(region, address, length, rkey)` rows of this link's MRs, as int64 bytes."""
@@ -151,7 +160,7 @@ class InboundPeer:
         with self.lock:
             if self.dead:
                 return None
-            _, wcs = self.cq.poll(self.engine.credits)
+            _, wcs = self.cq.poll(self.engine.credits * len(self.qps))
             for wc in wcs:
                 if wc.status != api.E.ibv_wc_status.IBV_WC_SUCCESS:
                     broken = wc_error(api, wc, self.sender or "?")
@@ -160,15 +169,33 @@ class InboundPeer:
                 data = self._slots[slot * SLOT: slot * SLOT + int(wc.byte_len)].tobytes()
                 self._repost(slot)
                 try:
-                    note = unpack_note(data)
+                    done = self._collect(unpack_note(data))
                 except ProtocolError as exc:
                     broken = exc
                     break
-                out.append((note.seq, note.payload))
+                if done is not None:
+                    out.append(done)
         if broken is not None:
             log.warning("verbs link from %s broke: %s", self.sender, broken)
             self.fence()
         return out
+
+    def _collect(self, note: Any) -> tuple[int, bytes | None] | None:
+        """`(seq, payload)` once every rail's note of a transfer is in, else None (bounded)."""
+        if not 0 <= note.rail < note.rails <= len(self.qps):
+            raise ProtocolError(f"note for rail {note.rail} of {note.rails} on a {len(self.qps)}-rail link")
+        if note.rails == 1:
+            return note.seq, note.payload
+        got = self._partial.setdefault(note.seq, [0, None])
+        got[0] += 1
+        if note.payload is not None:
+            got[1] = note.payload
+        if got[0] < note.rails:
+            if len(self._partial) > len(self.qps) * self.engine.credits:
+                raise ProtocolError(f"{len(self._partial)} striped transfers half-arrived: more than credits")
+            return None
+        del self._partial[note.seq]
+        return note.seq, got[1]
 
     def ack(self, seqs: list[int]) -> None:
         if seqs:
@@ -201,16 +228,16 @@ class InboundPeer:
             if self.dead:
                 return
             self.dead = True
-            if self.qp is not None:
+            for qp in self.qps:
                 try:
-                    self.qp.modify(*build.err_attr(api))
+                    qp.modify(*build.err_attr(api))
                 except api.PyverbsError as exc:
-                    log.warning("verbs: moving the QP of %s to ERR failed: %s", self.sender, exc)
+                    log.warning("verbs: moving a QP of %s to ERR failed: %s", self.sender, exc)
             self._revoke()
-            for obj in (self.qp, self._slots_mr, self.cq):
+            for obj in (*self.qps, self._slots_mr, self.cq):
                 if obj is not None:
                     obj.close()
-            self.qp = self.cq = self._slots_mr = None
+            self.qps, self.cq, self._slots_mr = [], None, None
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

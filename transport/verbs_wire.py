@@ -14,8 +14,10 @@ The rkey/address table travels only here, never in a descriptor, so an
 edited descriptor cannot aim a write: it names a region id, and the address
 and rkey come from what the receiver announced for this link alone.
 
-The `Note` rides in-band, as the SEND that ends every transfer on the same
-QP as its WRITEs: RC places it after all of them.
+The `Note` rides in-band, as the SEND that ends a transfer's stripe on the
+same QP as its WRITEs: RC places it after all of them. A transfer striped
+over several rails (QPs) sends one note per rail; the receiver delivers
+notify once all of them arrived.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ VERSION = 1
 class Hello:
     TYPE: ClassVar[str] = "hello"
     engine: str
-    qpn: int
-    psn: int
+    qpns: list  # one RC QP per rail (ints, checked by the receiver)
+    psns: list
     lid: int
     gid: str
     mtu: int
@@ -44,13 +46,13 @@ class Hello:
 class Welcome:
     TYPE: ClassVar[str] = "welcome"
     engine: str
-    qpn: int
-    psn: int
+    qpns: list  # the receiver's QP for each of the sender's rails, in order
+    psns: list
     lid: int
     gid: str
     mtu: int
     regions: bytes  # little-endian int64 rows (region_id, address, length, rkey)
-    credits: int  # receive slots: notes the sender may have unacknowledged
+    credits: int  # receive slots per rail: notes the sender may have unacknowledged on it
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,9 @@ class Bye:
 class Note:
     TYPE: ClassVar[str] = "note"
     seq: int
-    payload: bytes | None
+    rail: int  # which of the transfer's `rails` stripes this note ends
+    rails: int
+    payload: bytes | None  # on the last rail's note only
 
 
 CONTROL = Protocol("pdxfer-verbs", VERSION, [Hello, Welcome, Refresh, Regions, Acks, Gone, Bye],
@@ -97,9 +101,9 @@ NOTES = Protocol("pdxfer-verbs-note", VERSION, [Note], max_frame=MAX_NOTIFY + 25
 SLOT = NOTES.max_frame
 
 
-def pack_note(seq: int, payload: bytes | None) -> bytes:
+def pack_note(seq: int, rail: int, rails: int, payload: bytes | None) -> bytes:
     """A `Note` as the bytes of its SEND (the frame body, no length prefix)."""
-    return NOTES.pack(Note(seq, payload))[LENGTH.size:]
+    return NOTES.pack(Note(seq, rail, rails, payload))[LENGTH.size:]
 
 
 def unpack_note(data: bytes) -> Note:

@@ -10,11 +10,12 @@ above all a `drop_peer` that fences with QP->ERR alone.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
-from pdxfer.transport import PeerLostError, soft_verbs
+from pdxfer.transport import PeerLostError, TransferTimeout, soft_verbs
 from pdxfer.transport import verbs_build as build
 from pdxfer.transport.verbs_api import soft
 from pdxfer.transport.verbs_peer import InboundPeer
@@ -179,7 +180,7 @@ def _bytes_after_drop(monkeypatch: pytest.MonkeyPatch, err_only: bool) -> bool:
     try:
         a, b = tx.register(src), rx.register(torch.from_numpy(dst))
         conn = tx.connect(rx.address())
-        qpn = conn._qp.qp_num
+        qpn = conn._rails[0].qp.qp_num
 
         def hold(q: int, key: int) -> None:
             if q == qpn and not entered.is_set():
@@ -257,14 +258,14 @@ def test_windows_gather_split_and_signal(link) -> None:
 
 def test_completion_error_is_named_severs_and_reconnect_builds_fresh_qps(link) -> None:
     tx, rx, conn, a, b, src, dst = link
-    old_qpn = conn._qp.qp_num
+    old_qpn = conn._rails[0].qp.qp_num
     soft_verbs.fabric().fail_next(old_qpn, int(S.IBV_WC_REM_ACCESS_ERR))
     handle = conn.write(a, b.descriptor(), np.array([[0, 0, 4096]], np.int64))
     with pytest.raises(PeerLostError, match=r"remote access error \(status 10"):
         handle.wait(WAIT)
     assert not conn.alive
     fresh = tx.connect(rx.address())
-    assert fresh is not conn and fresh._qp.qp_num != old_qpn
+    assert fresh is not conn and fresh._rails[0].qp.qp_num != old_qpn
     fresh.write(a, b.descriptor(), np.array([[0, 0, 4096]], np.int64)).wait(WAIT)
     assert np.array_equal(dst[:4096], src[:4096])
 
@@ -280,3 +281,43 @@ def test_reconnect_after_drop_gets_new_rkeys_and_old_ones_are_dead(link) -> None
     assert new[2] != old[2] and old[2] not in soft_verbs.fabric().mrs
     fresh.write(a, b.descriptor(), np.array([[0, 0, 64]], np.int64)).wait(WAIT)
     assert np.array_equal(dst[:64], src[:64])
+
+
+def test_rails_stripe_and_notify_waits_for_every_rail() -> None:
+    fab = soft_verbs.fabric()
+    tx, rx = transport.create("verbs-sim", rails=3), transport.create("verbs-sim", rails=3)
+    try:
+        src = torch.from_numpy(np.random.default_rng(9).integers(0, 256, 8 << 20, dtype=np.uint8))
+        dst = np.zeros(8 << 20, np.uint8)
+        a, b = tx.register(src), rx.register(torch.from_numpy(dst))
+        notes: list[bytes] = []
+        rx.set_notify_handler(lambda sender, payload: notes.append(payload))
+        conn = tx.connect(rx.address())
+        qpns = [r.qp.qp_num for r in conn._rails]
+        assert len(set(qpns)) == 3
+        bells = [fab.doorbells[q] for q in qpns]
+        fab.pause(qpns[2])  # the last stripe (and its note, which carries the payload) waits
+        table = np.array([[0, 0, 6 << 20]], np.int64)
+        handle = conn.write(a, b.descriptor(), table, notify=b"all")
+        try:
+            with fab.lock:  # rails 0 and 1 placed every byte and their notes
+                assert fab.lock.wait_for(lambda: not fab.qps[qpns[0]].sq and not fab.qps[qpns[1]].sq, WAIT)
+            (peer,) = list(rx._peers)
+            deadline = time.monotonic() + WAIT
+            while not peer._partial and time.monotonic() < deadline:
+                time.sleep(0.005)  # polling a predicate: the receiver's progress picks the notes up
+            assert peer._partial, "the receiver never collected the first rails' notes"
+            with pytest.raises(TransferTimeout):
+                handle.wait(0.05)
+            assert notes == [] and not np.array_equal(dst[4 << 20:6 << 20], src.numpy()[4 << 20:6 << 20])
+        finally:
+            fab.pause(qpns[2], False)
+        handle.wait(WAIT)
+        assert notes == [b"all"] and np.array_equal(dst[:6 << 20], src.numpy()[:6 << 20])
+        assert all(fab.doorbells[q] > n for q, n in zip(qpns, bells, strict=True))
+        small = conn.write(a, b.descriptor(), np.array([[0, 7 << 20, 100]], np.int64), notify=b"one")
+        small.wait(WAIT)  # under RAIL_MIN: one rail, one note
+        assert notes == [b"all", b"one"]
+    finally:
+        tx.close()
+        rx.close()
