@@ -35,6 +35,7 @@ import torch
 
 from . import verbs_api
 from .base import Capabilities, LocalRegion, NotifyHandler, TransportEngine
+from .control_link import accept_loop, shut_listener
 from .errors import CapabilityError, ClosedError, PeerLostError, TransportError
 from .peering import SocketPeers
 from .regions import Region, RegionTable
@@ -184,16 +185,7 @@ class VerbsEngine(SocketPeers, TransportEngine):
             peer.fence()
 
     def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError as exc:
-                if self._closed:
-                    return
-                log.warning("verbs engine %s: accept failed: %s", self.engine_id, exc)
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            InboundPeer(self, sock, f"{addr[0]}:{addr[1]}").start()
+        accept_loop(self, self._listener, lambda sock, where: InboundPeer(self, sock, where).start())
 
     def _admit(self, peer: InboundPeer, hello: Any) -> Welcome:
         """Build a new inbound link's QP and MRs over every live region, and welcome it."""
@@ -261,11 +253,7 @@ class VerbsEngine(SocketPeers, TransportEngine):
             self._closed = True
             outbound = list(self._outbound.values())
             peers = list(self._peers)
-        try:  # wakes the blocked accept() on Linux
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        shut_listener(self._listener)
         for peer in peers:
             peer.fence()
         for conn in outbound:

@@ -38,27 +38,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import verbs_build as build
+from . import verbs_wire
 from .base import Connection, LocalRegion, TransferHandle
-from .errors import (
-    ClosedError,
-    PeerLostError,
-    ProtocolError,
-    RegistrationError,
-    TransferTimeout,
-    TransportError,
-)
+from .control_link import ControlLink
+from .errors import PeerLostError, ProtocolError, RegistrationError, TransportError
 from .handles import Handle
 from .regions import check_descriptor
 from .segments import as_table, balanced_parts, check_notify, check_table
 from .verbs_api import wc_error
-from .verbs_wire import CONTROL, SLOT, Acks, Bye, Gone, Hello, Refresh, Regions, Welcome, pack_note
+from .verbs_wire import CONTROL, SLOT, Acks, Hello, Regions, Welcome, pack_note
 from .wire import ErrorMessage
 
 if TYPE_CHECKING:
     from .verbs import VerbsEngine
 
 log = logging.getLogger(__name__)
-BYE_WAIT = 1.0
 RAIL_MIN = 1 << 20  # a transfer is striped over one rail per this many bytes, up to `rails`
 
 
@@ -81,8 +75,10 @@ def region_table(data: bytes) -> dict[int, tuple[int, int, int]]:
     return {r: (a, n, k) for r, a, n, k in rows}
 
 
-class VerbsConnection(Connection):
-    """A link to one peer engine: QP, control socket, the peer's regions, transfers awaiting acks."""
+class VerbsConnection(ControlLink, Connection):
+    """A link to one peer engine: QPs, control socket, the peer's regions, transfers awaiting acks."""
+
+    WIRE = verbs_wire
 
     def __init__(self, engine: VerbsEngine, host: str, port: int, peer: str) -> None:
         self._engine, self.peer, api = engine, peer, engine.api
@@ -102,7 +98,7 @@ class VerbsConnection(Connection):
         try:
             sock = socket.create_connection((host, port), timeout=engine.connect_timeout)
         except OSError as exc:
-            self._destroy()
+            self._release()
             raise PeerLostError(f"cannot connect to verbs engine {peer} at {host}:{port}: {exc}") from exc
         self._sock = sock
         try:
@@ -116,7 +112,7 @@ class VerbsConnection(Connection):
                               address=self._note_base)
         except BaseException:
             sock.close()
-            self._destroy()
+            self._release()
             raise
         sock.settimeout(None)
         self._reader = threading.Thread(target=self._read, name=f"verbs-out {peer}", daemon=True)
@@ -150,14 +146,6 @@ class VerbsConnection(Connection):
             except api.PyverbsError as exc:
                 raise PeerLostError(f"cannot connect a QP to {self.peer}: {exc}") from exc
         return welcome
-
-    @property
-    def alive(self) -> bool:
-        return self._error is None
-
-    @property
-    def dead(self) -> bool:
-        return self._error is not None
 
     # -- writes ---------------------------------------------------------------
     def write(self, local: LocalRegion, remote: dict[str, Any], segments: np.ndarray,
@@ -248,67 +236,14 @@ class VerbsConnection(Connection):
                     self._pump(rail)
             return bool(n)
 
-    def _resolve(self, region_id: int) -> tuple[int, int, int]:
-        found = self._regions.get(region_id)
-        if found is None:
-            self._refresh()
-            found = self._regions.get(region_id)
-        if found is None:
-            raise RegistrationError(
-                f"engine {self.peer} has no region {region_id} (never registered or deregistered); "
-                "ask the peer for a fresh descriptor"
-            )
-        return found
+    # -- the control link's hooks (control_link.ControlLink) ---------------------
+    def _on_regions(self, msg: Regions) -> None:
+        self._regions = region_table(msg.regions)
 
-    def _refresh(self) -> None:
-        query, done = next(self._qids), threading.Event()
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            self._queries[query] = done
-        try:
-            CONTROL.send(self._sock, Refresh(query))
-            if not done.wait(self._engine.connect_timeout):
-                raise TransferTimeout(
-                    f"verbs engine {self.peer} did not answer a region refresh in "
-                    f"{self._engine.connect_timeout} s; it is stalled — drop it or retry"
-                )
-        finally:
-            with self._lock:
-                self._queries.pop(query, None)
-        if self._error is not None:
-            raise self._error
-
-    # -- the control reader ---------------------------------------------------
-    def _read(self) -> None:
-        try:
-            while True:
-                msg = CONTROL.recv(self._sock)
-                if isinstance(msg, Acks):
-                    self._acked(msg.seqs)
-                elif isinstance(msg, Regions):
-                    self._regions = region_table(msg.regions)
-                    with self._lock:
-                        done = self._queries.get(msg.query)
-                    if done is not None:
-                        done.set()
-                elif isinstance(msg, Gone):
-                    self._regions = {k: v for k, v in self._regions.items() if k != msg.region}
-                elif isinstance(msg, ErrorMessage):
-                    raise ProtocolError(f"verbs engine {self.peer} hung up: {msg.reason}")
-                else:
-                    raise ProtocolError(f"unexpected {type(msg).TYPE} from verbs engine {self.peer}")
-        except PeerLostError as exc:
-            self.sever(PeerLostError(
-                f"verbs engine {self.peer} closed the link (it died, closed, or dropped us): {exc}"
-            ))
-        except TransportError as exc:
-            self.sever(exc)
-
-    def _acked(self, data: bytes) -> None:
-        if len(data) % 8:
-            raise ProtocolError(f"acks of {len(data)} B are not whole int64s")
-        seqs = np.frombuffer(data, dtype="<i8").tolist()
+    def _on_acks(self, msg: Acks) -> None:
+        if len(msg.seqs) % 8:
+            raise ProtocolError(f"acks of {len(msg.seqs)} B are not whole int64s")
+        seqs = np.frombuffer(msg.seqs, dtype="<i8").tolist()
         with self._lock:
             done = [self._pending.pop(s, None) for s in seqs]
             for found in done:
@@ -320,25 +255,12 @@ class VerbsConnection(Connection):
             if found is not None:
                 found[0].complete()
 
-    # -- teardown -------------------------------------------------------------
-    def sever(self, error: TransportError) -> None:
-        """Kill the link with `error`: pending transfers fail, the QP is destroyed. Idempotent."""
-        with self._lock:
-            if self._error is not None:
-                return
-            self._error = error
-            pending, self._pending = [h for h, _ in self._pending.values()], {}
-            queries = list(self._queries.values())
-            for rail in self._rails:
-                rail.queue.clear()
-        for handle in pending:
-            handle.fail(error)
-        for done in queries:
-            done.set()
-        if not isinstance(error, ClosedError):
-            self._hang_up()
+    def _drop_pending(self, pending: list) -> list:
+        for rail in self._rails:
+            rail.queue.clear()
+        return [handle for handle, _ in pending]
 
-    def _destroy(self) -> None:
+    def _release(self) -> None:
         """QPs to ERR, then destroy QPs, note MR and CQ (under the lock: no poll is running)."""
         api = self._engine.api
         with self._lock:
@@ -355,28 +277,3 @@ class VerbsConnection(Connection):
             cq, self._cq = getattr(self, "_cq", None), None
             if cq is not None:
                 cq.close()
-
-    def _hang_up(self) -> None:
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-        self._destroy()
-        self._engine._disconnect(self)
-
-    def close(self) -> None:
-        """Fail what is in flight with `ClosedError`; the peer fences the link before we let go."""
-        if self._error is not None and not isinstance(self._error, ClosedError):
-            return
-        first = self._error is None
-        self.sever(ClosedError(f"verbs connection {self._engine.engine_id}->{self.peer} closed"))
-        if not first:
-            return
-        try:  # the peer fences us on Bye and hangs up; its hang-up ends our reader
-            CONTROL.send(self._sock, Bye())
-        except TransportError:
-            pass
-        if threading.current_thread() is not self._reader:
-            self._reader.join(BYE_WAIT)
-        self._hang_up()
