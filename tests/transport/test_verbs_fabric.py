@@ -83,6 +83,27 @@ def test_write_lands_in_order_and_completes(two: Two) -> None:
     assert np.array_equal(two.dst[3 << 20:(3 << 20) + 5000], two.src[100:5100])
 
 
+def test_posted_wrs_keep_landing_while_the_poster_is_blocked(two: Two) -> None:
+    posted, release = threading.Event(), threading.Event()
+
+    def poster() -> None:  # posts, then blocks: it never polls, never rings again
+        two.a.post_send(build.link([two.write(i, i << 20, i << 20, 1 << 20) for i in range(4)]))
+        posted.set()
+        release.wait(WAIT)
+
+    thread = threading.Thread(target=poster)
+    thread.start()
+    try:
+        assert posted.wait(WAIT)
+        for i in range(4):
+            assert two.completion(two.cq_a).wr_id == i
+        assert thread.is_alive(), "the poster was released before the bytes landed"
+        assert np.array_equal(two.dst, two.src)
+    finally:
+        release.set()
+        thread.join(WAIT)
+
+
 def test_bad_rkey_and_bounds_are_remote_access_errors_that_stop_both_qps(two: Two) -> None:
     two.a.post_send(two.write(1, 0, (4 << 20) - 10, 20))  # past the MR's end
     wc = two.completion(two.cq_a)
