@@ -164,6 +164,8 @@ def _roce_v2_gid(api: Any, ctx: Any, port: int, count: int) -> int:
 
 def probe() -> str | None:
     """None when real pyverbs imports and an ACTIVE port exists, else the reason it does not."""
+    if not os.path.isdir("/sys/class/infiniband"):  # no kernel RDMA: say so, import nothing
+        return _no_devices_reason(None)
     try:
         api = load()
         ctx, _ = pick_port(api)

@@ -2,9 +2,12 @@
 
 Verbs-level tests drive `soft_verbs` through the same builders the backend
 uses (`verbs_build`), so they read like rdma-core's own tests: two QPs on one
-PD, buffers registered by address, WRs posted and completions polled. The
-backend-level tests then show the fabric catching what it exists to catch —
-above all a `drop_peer` that fences with QP->ERR alone.
+PD, buffers registered by address, WRs posted and completions polled. Those
+that need no fault injection also run on a real device where one is up (the
+`two` fixture's "real" case, skipped elsewhere with the reason), so the first
+hardware run shows where the fabric and a NIC disagree. The backend-level
+tests then show the fabric catching what it exists to catch — above all a
+`drop_peer` that fences with QP->ERR alone.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pytest
 import torch
 from pdxfer.transport import PeerLostError, TransferTimeout, soft_verbs
 from pdxfer.transport import verbs_build as build
-from pdxfer.transport.verbs_api import soft
+from pdxfer.transport.verbs_api import load, pick_port, probe, soft
 from pdxfer.transport.verbs_peer import InboundPeer
 
 from pdxfer import transport
@@ -29,47 +32,77 @@ WAIT = 10.0
 
 
 class Two:
-    """Two connected RC QPs `a` -> `b` on the fabric, with a source and a destination buffer."""
+    """Two connected RC QPs `a` -> `b` (fabric, or a real port), a source and a destination buffer."""
 
     def __init__(self, *, cqe: int = 64, send_wr: int = 16, recv_wr: int = 4, b_access: int = RW,
-                 rnr_retry: int = 7) -> None:
-        self.ctx = API.Context(name="soft0")
-        self.pd = API.PD(self.ctx)
-        self.cq_a, self.cq_b = API.CQ(self.ctx, cqe), API.CQ(self.ctx, cqe)
-        self.a = API.QP(self.pd, build.qp_init_attr(API, self.cq_a, send_wr, 1, 8))
-        self.b = API.QP(self.pd, build.qp_init_attr(API, self.cq_b, 1, recv_wr, 1))
+                 rnr_retry: int = 7, real: bool = False) -> None:
+        api = self.api = load() if real else API
+        self.real = real
+        self.ctx, port = pick_port(api)
+        self.pd = api.PD(self.ctx)
+        self.cq_a, self.cq_b = api.CQ(self.ctx, cqe), api.CQ(self.ctx, cqe)
+        self.a = api.QP(self.pd, build.qp_init_attr(api, self.cq_a, send_wr, 1, 8))
+        self.b = api.QP(self.pd, build.qp_init_attr(api, self.cq_b, 1, recv_wr, 1))
         self.src = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8)
         self.dst = np.zeros(4 << 20, np.uint8)
-        self.src_mr = API.MR(self.pd, self.src.nbytes, RW, address=self.src.ctypes.data)
-        self.dst_mr = API.MR(self.pd, self.dst.nbytes, b_access, address=self.dst.ctypes.data)
+        self.src_mr = api.MR(self.pd, self.src.nbytes, RW, address=self.src.ctypes.data)
+        self.dst_mr = api.MR(self.pd, self.dst.nbytes, b_access, address=self.dst.ctypes.data)
         for qp, other, access in ((self.b, self.a, b_access), (self.a, self.b, 0)):
-            attr = build.connect_attr(API, port_num=1, mtu=5, access=access, dest_qpn=other.qp_num,
-                                      rq_psn=0, sq_psn=0, lid=0, gid="fe80:0000:0000:0000:0000:ffff:7f00:0001",
-                                      sgid_index=0, ethernet=True)
+            attr = build.connect_attr(api, port_num=port.port_num, mtu=port.mtu, access=access,
+                                      dest_qpn=other.qp_num, rq_psn=0, sq_psn=0, lid=port.lid,
+                                      gid=port.gid, sgid_index=port.gid_index, ethernet=port.ethernet)
             attr.rnr_retry = rnr_retry
             qp.to_rts(attr)
 
     def write(self, wr_id: int, src: int, dst: int, n: int, rkey: int | None = None) -> object:
         rows = np.array([[src, dst, n]], np.int64)
-        (wr,) = build.write_wrs(API, rows, np.zeros(1, np.int64), src_base=self.src.ctypes.data,
+        (wr,) = build.write_wrs(self.api, rows, np.zeros(1, np.int64), src_base=self.src.ctypes.data,
                                 lkey=self.src_mr.lkey, dst_base=self.dst.ctypes.data,
                                 rkey=self.dst_mr.rkey if rkey is None else rkey, first_id=wr_id,
                                 signal_every=1)
         return wr
 
     def completion(self, cq: object) -> object:
+        if self.real:  # a hardware CQ is polled, as the backend's progress thread does
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline:
+                n, wcs = cq.poll(1)
+                if n:
+                    return wcs[0]
+                time.sleep(0.0005)
+            raise AssertionError("no completion")
         fab = soft_verbs.fabric()
         with fab.lock:
             assert fab.lock.wait_for(lambda: cq._state.entries, WAIT), "no completion"
         _, (wc,) = cq.poll(1)
         return wc
 
+    def state(self, qp: object) -> int:
+        """The QP's current state (pyverbs caches `qp_state`; a NIC's must be queried)."""
+        if self.real:
+            return qp.query(self.api.E.ibv_qp_attr_mask.IBV_QP_STATE)[0].qp_state
+        return qp.qp_state
+
     def close(self) -> None:
         self.ctx.close()
 
 
+HARDWARE = probe()
+
+
+@pytest.fixture(params=["fabric", "real"])
+def two(request: pytest.FixtureRequest):
+    """Two QPs on the fabric, and on a real port where one is ACTIVE."""
+    if request.param == "real" and HARDWARE is not None:
+        pytest.skip(f"no real RDMA port: {HARDWARE}")
+    t = Two(real=request.param == "real")
+    yield t
+    t.close()
+
+
 @pytest.fixture
-def two():
+def soft_two():
+    """Two QPs on the fabric, for tests that inject faults or rely on its small limits."""
     t = Two()
     yield t
     t.close()
@@ -108,28 +141,28 @@ def test_bad_rkey_and_bounds_are_remote_access_errors_that_stop_both_qps(two: Tw
     two.a.post_send(two.write(1, 0, (4 << 20) - 10, 20))  # past the MR's end
     wc = two.completion(two.cq_a)
     assert wc.status == S.IBV_WC_REM_ACCESS_ERR and soft_verbs.cqe_status_to_str(wc.status) == "remote access error"
-    assert two.a.qp_state == two.b.qp_state == API.E.ibv_qp_state.IBV_QPS_ERR
+    assert two.state(two.a) == two.state(two.b) == API.E.ibv_qp_state.IBV_QPS_ERR
     assert not two.dst.any()
 
 
-def test_message_above_max_msg_size_is_a_local_length_error(two: Two) -> None:
-    wr = two.write(1, 0, 0, 2 << 20)  # the fabric's port max_msg_sz is 1 MiB
-    two.a.post_send(wr)
-    wc_ok = two.completion(two.cq_a)  # 2 MiB > 1 MiB: refused
+def test_message_above_max_msg_size_is_a_local_length_error(soft_two: Two) -> None:
+    wr = soft_two.write(1, 0, 0, 2 << 20)  # the fabric's port max_msg_sz is 1 MiB
+    soft_two.a.post_send(wr)
+    wc_ok = soft_two.completion(soft_two.cq_a)  # 2 MiB > 1 MiB: refused
     assert wc_ok.status == S.IBV_WC_LOC_LEN_ERR
-    assert not two.dst.any()
+    assert not soft_two.dst.any()
 
 
-def test_sq_depth_is_enforced_at_post_time(two: Two) -> None:
-    soft_verbs.fabric().pause(two.a.qp_num)
+def test_sq_depth_is_enforced_at_post_time(soft_two: Two) -> None:
+    soft_verbs.fabric().pause(soft_two.a.qp_num)
     try:
-        two.a.post_send(build.link([two.write(i, 0, i * 64, 64) for i in range(16)]))
+        soft_two.a.post_send(build.link([soft_two.write(i, 0, i * 64, 64) for i in range(16)]))
         with pytest.raises(soft_verbs.PyverbsRDMAError, match="Errno: 12"):
-            two.a.post_send(two.write(99, 0, 0, 64))
+            soft_two.a.post_send(soft_two.write(99, 0, 0, 64))
     finally:
-        soft_verbs.fabric().pause(two.a.qp_num, False)
+        soft_verbs.fabric().pause(soft_two.a.qp_num, False)
     for i in range(16):
-        assert two.completion(two.cq_a).wr_id == i
+        assert soft_two.completion(soft_two.cq_a).wr_id == i
 
 
 def test_send_without_a_receive_is_rnr_then_retry_exceeded() -> None:
@@ -157,12 +190,12 @@ def test_cq_overrun_puts_the_qp_in_error() -> None:
         t.close()
 
 
-def test_fault_injection_fail_next_and_cut(two: Two) -> None:
+def test_fault_injection_fail_next_and_cut(soft_two: Two) -> None:
     fab = soft_verbs.fabric()
-    fab.fail_next(two.a.qp_num, S.IBV_WC_LOC_PROT_ERR)
-    two.a.post_send(build.link([two.write(1, 0, 0, 64), two.write(2, 0, 64, 64)]))
-    assert two.completion(two.cq_a).status == S.IBV_WC_LOC_PROT_ERR
-    assert two.completion(two.cq_a).status == S.IBV_WC_WR_FLUSH_ERR  # everything after flushes
+    fab.fail_next(soft_two.a.qp_num, S.IBV_WC_LOC_PROT_ERR)
+    soft_two.a.post_send(build.link([soft_two.write(1, 0, 0, 64), soft_two.write(2, 0, 64, 64)]))
+    assert soft_two.completion(soft_two.cq_a).status == S.IBV_WC_LOC_PROT_ERR
+    assert soft_two.completion(soft_two.cq_a).status == S.IBV_WC_WR_FLUSH_ERR  # everything after flushes
     other = Two()
     try:
         fab.cut(other.a.qp_num, other.b.qp_num)
