@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from pdxfer.transport.verbs_api import probe  # noqa: E402
+from pdxfer.transport.verbs_api import probe
 
 REASON = probe()
 

@@ -12,15 +12,18 @@ tests then show the fabric catching what it exists to catch — above all a
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
 import torch
-from pdxfer.transport import PeerLostError, TransferTimeout, soft_verbs
+from pdxfer.transport import CapabilityError, PeerLostError, TransferTimeout, soft_verbs
 from pdxfer.transport import verbs_build as build
 from pdxfer.transport.verbs_api import load, pick_port, probe, soft
+from pdxfer.transport.verbs_mem import register_mr
 from pdxfer.transport.verbs_peer import InboundPeer
 
 from pdxfer import transport
@@ -375,3 +378,16 @@ def test_rails_stripe_and_notify_waits_for_every_rail() -> None:
     finally:
         tx.close()
         rx.close()
+
+
+@pytest.mark.skipif(os.path.isdir("/sys/module/nvidia_peermem"), reason="nvidia-peermem is loaded here")
+def test_cuda_registration_without_dmabuf_or_peermem_names_both() -> None:
+    # No GPU here: this pins the refusal only; the dma-buf and peermem paths need tests/hardware.
+    region = types.SimpleNamespace(device="cuda", start=0x7F00_0000_0000, length=4096, region_id=1)
+    ctx = API.Context(name="soft0")
+    try:
+        with pytest.raises(CapabilityError, match=r"dma-buf MR failed \(.+\) and the nvidia-peermem "
+                                                  r"module is not loaded"):
+            register_mr(API, API.PD(ctx), region, RW, {})
+    finally:
+        ctx.close()
