@@ -13,6 +13,7 @@ tests then show the fabric catching what it exists to catch — above all a
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import types
@@ -391,3 +392,11 @@ def test_cuda_registration_without_dmabuf_or_peermem_names_both() -> None:
             register_mr(API, API.PD(ctx), region, RW, {})
     finally:
         ctx.close()
+
+
+@pytest.mark.skipif(HARDWARE is None, reason="an RDMA port is ACTIVE here: 'verbs' is listed")
+def test_verbs_is_listed_only_with_an_active_port_and_says_why_not() -> None:
+    assert "verbs" not in transport.available() and "verbs-sim" in transport.available()
+    with pytest.raises(CapabilityError, match=r"transport 'verbs' is not installed \(python3-pyverbs "
+                                              r"and an ACTIVE RDMA port\): " + re.escape(HARDWARE)):
+        transport.create("verbs")
