@@ -134,8 +134,11 @@ class VerbsConnection(ControlLink, Connection):
             )
         if not 0 < welcome.credits <= 4096:
             raise ProtocolError(f"welcome offers {welcome.credits} credits; expected 1..4096")
-        if len(welcome.qpns) != len(self._rails) or len(welcome.psns) != len(self._rails):
-            raise ProtocolError(f"welcome has {len(welcome.qpns)} QPs for our {len(self._rails)} rails")
+        if (len(welcome.qpns) != len(self._rails) or len(welcome.psns) != len(self._rails)
+                or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 24
+                           for v in welcome.qpns + welcome.psns)):
+            raise ProtocolError(f"welcome names QPs {welcome.qpns!r} / PSNs {welcome.psns!r} for our "
+                                f"{len(self._rails)} rails; expected that many 24-bit ints of each")
         self._regions = region_table(welcome.regions)
         for rail, qpn, psn in zip(self._rails, welcome.qpns, welcome.psns, strict=True):
             attr = build.connect_attr(api, port_num=p.port_num, mtu=min(p.mtu, welcome.mtu), access=0,
