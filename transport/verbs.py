@@ -77,13 +77,20 @@ class VerbsEngine(SocketPeers, TransportEngine):
         sq_depth: int = 256,
         credits: int = 32,
         rails: int = 1,
+        fence: str = "mr",
         connect_timeout: float = 10.0,
     ) -> None:
         """`host`/`port`: the control listener. `device`/`port_num`/`gid_index` pin the NIC
         port and GID (default: first ACTIVE port, first RoCE v2 GID). `sq_depth`: WRs in flight
         per link; `credits`: notes a sender may have unacknowledged per rail; `rails`: QPs per
-        outbound link that large transfers stripe over (1..MAX_RAILS). `streams` is unused."""
+        outbound link that large transfers stripe over (1..MAX_RAILS). `fence`: "mr" (default:
+        per-link MRs, `drop_peer` deregisters them — no DMA after it returns) or "qp" (one
+        shared MR per region, `drop_peer` is QP->ERR + destroy only: cheaper registration, but
+        a packet already in flight may still land after it returns). `streams` is unused."""
         del streams
+        if fence not in ("mr", "qp"):
+            raise CapabilityError(f"fence={fence!r}: use 'mr' (per-link MRs, a real fence) or 'qp'")
+        self.fence = fence
         self.api = self._load_api()
         self.engine_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
         self.connect_timeout = connect_timeout
@@ -132,8 +139,8 @@ class VerbsEngine(SocketPeers, TransportEngine):
             self._check_open()
             region = self.regions.register(tensor)
             try:
-                self._local[region.region_id] = register_mr(
-                    self.api, self.pd, region, access_flags(self.api, False), self._dmabufs)
+                self._local[region.region_id] = register_mr(  # shared with every link under fence="qp"
+                    self.api, self.pd, region, access_flags(self.api, self.fence == "qp"), self._dmabufs)
                 for peer in list(self._peers):
                     peer.add_region(region)
             except BaseException:

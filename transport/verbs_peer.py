@@ -140,6 +140,9 @@ class InboundPeer:
         with self.lock:
             if self.dead or region.region_id in self._mrs:
                 return
+            if e.fence == "qp":  # the engine's own MR, shared by every link: never ours to close
+                self._mrs[region.region_id] = e._local[region.region_id]
+                return
             self._mrs[region.region_id] = register_mr(e.api, e.pd, region, access_flags(e.api, True),
                                                       e._dmabufs)
 
@@ -147,7 +150,7 @@ class InboundPeer:
         """Deregister this link's MR of a region (waits out packets into it) and say `Gone`."""
         with self.lock:
             found = self._mrs.pop(region_id, None)
-            if found is not None:
+            if found is not None and self.engine.fence == "mr":
                 found[0].close()
         if found is not None and tell:
             self.send(Gone(region_id))
@@ -216,9 +219,14 @@ class InboundPeer:
 
     # -- the fence ----------------------------------------------------------
     def _revoke(self) -> None:
-        """Close every MR of this link: returns when no packet can land through them."""
-        for mr, _ in self._mrs.values():
-            mr.close()
+        """Close every MR of this link: returns when no packet can land through them.
+
+        Under fence="qp" the MRs are the engine's, shared: nothing is closed, and a
+        packet already in flight may land after the fence (the documented weaker mode).
+        """
+        if self.engine.fence == "mr":
+            for mr, _ in self._mrs.values():
+                mr.close()
         self._mrs.clear()
 
     def fence(self) -> None:
