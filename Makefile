@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.pdxfer-installed
 # satisfied instead of pulling a CUDA build of its own.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean pyverbs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Real pyverbs for the fabric's honesty tests, unpacked under .cache/ (never installed
+# system-wide); the tests fetch it themselves too, this only does it ahead of time.
+pyverbs: setup
+	$(PY) tests/transport/pyverbs_prefix.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -190,11 +190,14 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int) -> dict[st
                 h.wait(60.0)
             busy += time.perf_counter() - t0
         segs = [sum(len(t) for ts in per.values() for t in ts) for per in tables]
+        # verbs links count their work requests and doorbells (one per posted window)
+        wrs = (f"{conn.wrs / len(reqs):.1f}/{conn.doorbells / len(reqs):.1f}"
+               if hasattr(conn, "wrs") else "-")
     finally:
         a.close()
         b.close()
     return {"plan_us": statistics.median(plans) * 1e6, "post_us": statistics.median(posts) * 1e6,
-            "rps": len(reqs) / busy, "segments": segs,
+            "rps": len(reqs) / busy, "segments": segs, "wrs": wrs,
             "transfers": {sum(len(ts) for ts in per.values()) for per in tables},
             "raw_post_us": [round(v * 1e6, 3) for v in posts]}
 
@@ -212,6 +215,7 @@ COLUMNS = {
     "bare write us": "median CPU us posting the same tables on a bare transport connection",
     "engine req/s": "requests/s end to end through the engines, --batch in flight (wall clock)",
     "bare transport req/s": "requests/s posting and completing the tables on a bare connection",
+    "WRs/doorbells": "verbs only: work requests / doorbells (posted windows) per request",
 }
 
 
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                   "send us": f"{eng['send_us']:.1f}", "plan us": f"{eng['plan_us']:.1f}",
                   "write us": f"{eng['write_us']:.1f}", "engine us": f"{eng['own_us']:.1f}",
                   "bare write us": f"{raw['post_us']:.1f}", "engine req/s": f"{eng['rps']:.0f}",
-                  "bare transport req/s": f"{raw['rps']:.0f}"})
+                  "bare transport req/s": f"{raw['rps']:.0f}", "WRs/doorbells": raw["wrs"]})
             progress.step(f"{backend} {kind}")
     br.print_legend(COLUMNS, list(COLUMNS))
     report.write(args.json, COLUMNS)

@@ -135,6 +135,14 @@ class _EnginePair:
     def move(self, table: np.ndarray) -> None:
         self.conn.write(self.local, self.remote, table).wait(120)
 
+    def wrs(self, table: np.ndarray) -> str:
+        """`WRs/doorbells` one write of `table` posts, for links that count them (verbs)."""
+        if not hasattr(self.conn, "wrs"):
+            return ""
+        w, d = self.conn.wrs, self.conn.doorbells
+        self.move(table)
+        return f"{self.conn.wrs - w}/{self.conn.doorbells - d}"
+
     def close(self) -> None:
         self.tx.close()
         self.rx.close()
@@ -173,6 +181,9 @@ def legend(columns: list[str], streams: int) -> dict[str, str]:
     for c in columns:
         if c in fixed:
             out[c] = fixed[c]
+        elif c.endswith(" WRs/doorbells"):
+            out[c] = (f"work requests / doorbells (posted windows) one write of the table costs "
+                      f"on a {c.split(' ')[0]} link")
         elif c.endswith("/memcpy"):
             out[c] = f"{c.split('/')[0]} GB/s over memcpy GB/s"
         elif c.endswith("/tcp"):
@@ -209,6 +220,8 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
         for name in others:
             pairs[name] = _EnginePair(name, src, dst)
             columns += [name, f"{name}/memcpy"] + ([f"{name}/tcp"] if raw is not None else [])
+            if hasattr(pairs[name].conn, "wrs"):
+                columns.append(f"{name} WRs/doorbells")
         emit = br.markdown(columns, out)
         progress = br.Progress(len(SEGMENTS) * 2, "cases")
         for seg in SEGMENTS:
@@ -228,6 +241,7 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
                     row["loopback/(memcpy/seg)"] = f"{gbs['loopback'] / gbs['memcpy/seg']:.2f}x"
                 for other in others:
                     row[f"{other}/memcpy"] = f"{gbs[other] / gbs['memcpy']:.2f}x"
+                    row[f"{other} WRs/doorbells"] = pairs[other].wrs(table)
                     if raw is not None:
                         row[f"{other}/tcp"] = f"{gbs[other] / gbs['tcp']:.2f}x"
                 if raw is not None:
