@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import PeerLostError, ProtocolError, TransportError
+from .listener import Slot
 from .nixl_wire import (
     CONTROL,
     Acks,
@@ -43,6 +44,7 @@ from .nixl_wire import (
     unpack_note,
 )
 from .regions import Region
+from .wire import HANDSHAKE_MAX_FRAME
 
 if TYPE_CHECKING:
     from .nixl import NixlEngine
@@ -63,9 +65,11 @@ def region_rows(regions: list[Region]) -> bytes:
 class InboundPeer:
     """One sender's link into this engine: its control socket, its serving agent, its fence."""
 
-    def __init__(self, engine: NixlEngine, sock: socket.socket, where: str, serial: int) -> None:
+    def __init__(self, engine: NixlEngine, sock: socket.socket, where: str, serial: int,
+                 slot: Slot) -> None:
         self.engine = engine
         self.sock = sock
+        self.slot = slot  # our place in the listener's pre-handshake budget
         self.where = where
         self.serial = serial
         self.sender: str | None = None
@@ -80,11 +84,16 @@ class InboundPeer:
     def start(self) -> None:
         self._thread.start()
 
+    def join(self, timeout: float) -> None:
+        """Wait (bounded) for the link's reader thread: close() joins what the engine started."""
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
     # -- setup --------------------------------------------------------------
     def _serve(self) -> None:
         try:
-            self.sock.settimeout(self.engine.connect_timeout)
-            hello = recv_control(self.sock)
+            # the listener set the handshake timeout; until Welcome, frames are capped small
+            hello = recv_control(self.sock, HANDSHAKE_MAX_FRAME)
             if not isinstance(hello, Hello):
                 raise ProtocolError(f"expected hello, got {type(hello).TYPE}")
             self.sender = hello.engine
@@ -97,6 +106,7 @@ class InboundPeer:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                  struct.pack("ll", int(SEND_TIMEOUT), 0))
             self._send(welcome)
+            self.slot.admitted()
             while not self.dead:
                 msg = recv_control(self.sock)
                 if isinstance(msg, Refresh):
@@ -110,6 +120,7 @@ class InboundPeer:
                 log.warning("nixl link from %s (%s) dropped: %s", self.sender, self.where, exc)
         except Exception:  # a NIXL failure while admitting: the link is unusable
             log.exception("nixl link from %s (%s) failed", self.sender, self.where)
+        self.slot.admitted()
         self.fence()
 
     def welcome(self, regions: list[Region]) -> Welcome:

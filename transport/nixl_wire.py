@@ -148,9 +148,9 @@ def ints(data: bytes, width: int, what: str) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").reshape(-1, width).astype(np.int64)
 
 
-def recv_control(sock: socket.socket) -> Any:
-    """One control message; a closed or reset socket is `PeerLostError`."""
-    return CONTROL.recv(sock)
+def recv_control(sock: socket.socket, limit: int | None = None) -> Any:
+    """One control message (at most `limit` B); a closed or reset socket is `PeerLostError`."""
+    return CONTROL.recv(sock, limit)
 
 
 # -- NIXL agents ------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PeerLostError, ProtocolError, TransferTimeout
+from .listener import Slot
 from .segments import check_ranges
 from .tcp_io import Bounce, recv_all, slices
 from .tcp_wire import (
@@ -45,10 +46,9 @@ from .tcp_wire import (
     StripeEnd,
     Welcome,
 )
-from .wire import ErrorMessage
+from .wire import HANDSHAKE_MAX_FRAME, ErrorMessage
 
 log = logging.getLogger(__name__)
-HANDSHAKE_TIMEOUT = 10.0
 MAX_STREAMS = 64
 
 
@@ -91,9 +91,10 @@ class LinkState:
 class InboundStream:
     """One accepted socket: handshake, then headers and payloads until EOF or fence."""
 
-    def __init__(self, engine: Any, sock: socket.socket, peer: str) -> None:
+    def __init__(self, engine: Any, sock: socket.socket, peer: str, slot: Slot) -> None:
         self.engine = engine  # the owning TcpEngine: regions, notify delivery, link table
         self.sock = sock
+        self.slot = slot  # our place in the listener's pre-handshake budget
         self.where = f"tcp stream from {peer}"
         self.sender: str | None = None
         self.state: LinkState | None = None
@@ -108,6 +109,11 @@ class InboundStream:
 
     def start(self) -> None:
         self.thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait (bounded) for the stream's thread: close() joins what the engine started."""
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
 
     def fence(self) -> None:
         """Stop this stream for good: after return, no byte of it lands."""
@@ -146,14 +152,15 @@ class InboundStream:
             self._say(ErrorMessage(reason=f"internal error: {exc}"))
         finally:
             self.dropped = True
+            self.slot.admitted()
             self.engine._detach(self)
             self._shutdown()
             with self._sock_lock:
                 self.sock.close()
 
     def _serve(self) -> None:
-        self.sock.settimeout(HANDSHAKE_TIMEOUT)
-        hello = PROTOCOL.recv(self.sock)
+        # the listener set the handshake timeout; until Welcome, frames are capped small
+        hello = PROTOCOL.recv(self.sock, HANDSHAKE_MAX_FRAME)
         if not isinstance(hello, Hello):
             raise ProtocolError(f"expected hello as the first frame, got {type(hello).TYPE}")
         if not (1 <= hello.streams <= MAX_STREAMS and 0 <= hello.stream < hello.streams):
@@ -165,6 +172,7 @@ class InboundStream:
         self.state = self.engine._attach(self, hello.link, hello.streams)
         PROTOCOL.send(self.sock, Welcome(engine=self.engine.engine_id))
         self.sock.settimeout(None)
+        self.slot.admitted()
         try:
             while not self.dropped:
                 msg = PROTOCOL.recv(self.sock)

@@ -86,7 +86,9 @@ def _assert_still_serves(engine: transport.TransportEngine) -> None:
 BAD_FRAMES = [
     ("undecodable body", LENGTH.pack(5) + b"\xc1\xc1\xc1\xc1\xc1", "undecodable pdxfer-tcp frame"),
     ("trailing bytes after the map", LENGTH.pack(2) + b"\x80\x01", "undecodable"),
-    ("oversized length prefix", LENGTH.pack(1 << 31), r"frame length 2147483648 B exceeds the 1048576 B limit"),
+    # before the handshake the cap is wire.HANDSHAKE_MAX_FRAME, not the protocol's 1 MiB
+    ("oversized length prefix", LENGTH.pack(1 << 31), r"frame length 2147483648 B exceeds the 4096 B limit"),
+    ("frame over the handshake cap", LENGTH.pack(4097), r"frame length 4097 B exceeds the 4096 B limit"),
     ("not an envelope", _frame([1, 2, 3]), "is not an envelope map"),
     ("integer map keys", _frame({1: 2}), "undecodable"),
     ("unknown message type", _env("bogus", {}), "unknown pdxfer-tcp message type 'bogus'"),
@@ -106,6 +108,12 @@ def test_bad_first_frame_gets_error_frame_then_close(engine, data: bytes, match:
     assert len(replies) == 1 and isinstance(replies[0], ErrorMessage), replies
     assert re.search(match, replies[0].reason), replies[0].reason
     _assert_still_serves(engine)
+
+
+def test_post_handshake_frames_are_capped_at_the_protocol_limit(engine) -> None:
+    replies = _exchange(engine, LENGTH.pack((1 << 20) + 1), handshake=True)
+    assert len(replies) == 1 and isinstance(replies[0], ErrorMessage), replies
+    assert "frame length 1048577 B exceeds the 1048576 B limit" in replies[0].reason
 
 
 def _landing_rig(engine) -> tuple[torch.Tensor, int]:
