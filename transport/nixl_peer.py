@@ -77,6 +77,8 @@ class InboundPeer:
         self.agent_name = ""
         self.lock = threading.Lock()  # held by every NIXL call on `agent`
         self.send_lock = threading.Lock()
+        # held while the progress thread hands this link's notifies to the handler
+        self.delivering = threading.RLock()
         self.dead = False
         self._regs: dict[int, object] = {}  # region id -> NIXL registration on `agent`
         self._thread = threading.Thread(target=self._serve, name=f"nixl-in {where}", daemon=True)
@@ -219,12 +221,11 @@ class InboundPeer:
 
         Taking `lock` waits out a progress call in flight; `dead` keeps any
         later one from starting; destroying the agent closes its UCX
-        sockets, so the sender sees the link fail too.
+        sockets, so the sender sees the link fail too. Taking `delivering`
+        waits out a notify of this link being handed to the handler.
         """
         with self.lock:
-            if self.dead:
-                return
-            self.dead = True
+            already, self.dead = self.dead, True
             agent, self.agent = self.agent, None
             regs, self._regs = list(self._regs.values()), {}
             if agent is not None:
@@ -234,6 +235,11 @@ class InboundPeer:
                     except Exception:
                         log.exception("nixl: deregistering during a fence failed")
                 del agent  # the last reference: the C++ agent and its UCX worker go now
+        # every caller waits out a notify being delivered, even a second one; none starts later
+        with self.delivering:
+            pass
+        if already:
+            return
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

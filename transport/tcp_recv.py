@@ -15,10 +15,12 @@ and sends the `Ack`, so both follow every byte of every stripe.
 
 The fence (`fence()`, used by `drop_peer` and `close`): set `dropped`, shut the
 socket down (which wakes a blocked recv), then take the landing lock, which a
-stream holds for the whole of each payload read and under which it checks
-`dropped` first. When `fence()` returns no byte of that stream lands again.
-A notify already handed to the handler may still be running; none starts
-after the fence.
+stream holds for the whole of each payload read and of each notify delivery,
+and under which it checks `dropped` first. When `fence()` returns no byte of
+that stream lands again and no notify of it starts or is still running —
+except one whose handler itself called `drop_peer`/`close` (the lock is
+re-entrant for exactly that). Trap: a handler that waits for *another*
+thread's `drop_peer` of the same peer would deadlock; handlers must stay short.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class InboundStream:
         self.state: LinkState | None = None
         self.link = ""  # the sending link's id, set by the engine on attach
         self.dropped = False
-        self.landing = threading.Lock()
+        self.landing = threading.RLock()
         self._sock_lock = threading.Lock()
         self._bounce = Bounce(engine.bounce_bytes, engine.pinned)
         self._transfer: int | None = None  # the transfer whose stripe is arriving
@@ -240,9 +242,11 @@ class InboundStream:
         done, notify = self.state.stripe_done(msg.transfer, msg.stripes, msg.notify)
         if not done:
             return
+        # The notify starts under the landing lock, so a fence either waits it
+        # out or keeps it from starting (re-entrant: the handler may drop_peer).
         with self.landing:
             if self.dropped:
                 return
-        if notify is not None:
-            self.engine._deliver(self.sender, notify)
+            if notify is not None:
+                self.engine._deliver(self.sender, notify)
         PROTOCOL.send(self.sock, Ack(transfer=msg.transfer))
