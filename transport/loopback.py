@@ -219,6 +219,8 @@ class LoopbackEngine(TransportEngine):
     """An engine whose peers are other loopback engines of this process."""
 
     name = "loopback"
+    # accepted so one set of common options fits every backend; no socket to apply them to
+    IGNORED_OPTIONS = frozenset({"host", "port", "streams"})
     capabilities = Capabilities(
         cuda_memory=True, cuda_zero_copy=True, cross_process=False,
         one_sided=True, notify=True, read=False,

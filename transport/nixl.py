@@ -75,6 +75,7 @@ class NixlEngine(SocketPeers, TransportEngine):
     """A nixl transport engine: one initiating agent, a control listener, links both ways."""
 
     name = "nixl"
+    IGNORED_OPTIONS = frozenset({"streams"})  # UCX decides its own lanes
     capabilities = Capabilities(
         cuda_memory=False, cuda_zero_copy=False, cross_process=True,
         one_sided=False, notify=True, read=False,
