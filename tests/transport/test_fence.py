@@ -139,3 +139,16 @@ def test_no_notify_starts_after_drop_peer_returns(rig_of, monkeypatch, backend: 
         handle.wait(WAIT)
     except PeerLostError:
         pass
+
+
+def test_tcp_a_header_checked_before_the_fence_lands_nothing_after(rig_of, monkeypatch) -> None:
+    rig = rig_of("tcp")
+    # held after the header's check, before the landing lock: the fence finds the lock free
+    # and returns; the stream must then see `dropped` and read nothing of the queued payload
+    gate = StepGate(tcp_recv.check_ranges)
+    monkeypatch.setattr(tcp_recv, "check_ranges", gate)
+    handle = rig.conn.write(rig.src_region, rig.remote, _whole_src(), notify=b"late")
+    at_return = _drop_while_gated(rig, gate)
+    assert np.array_equal(rig.dst, at_return), "bytes landed after drop_peer returned"
+    with pytest.raises(PeerLostError):
+        handle.wait(WAIT)

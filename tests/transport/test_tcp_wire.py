@@ -197,11 +197,14 @@ def test_length_prefix_is_big_endian_u32() -> None:
 
 
 def test_close_reaches_a_stream_still_waiting_for_its_hello() -> None:
-    eng = transport.create("tcp", streams=1)
+    # a 60 s handshake timeout: an EOF within 30 s is close's doing, not the timeout's
+    eng = transport.create("tcp", streams=1, connect_timeout=60.0)
     addr = eng.address()
-    with socket.create_connection((addr["host"], addr["port"]), timeout=10) as sock:
-        time.sleep(0.1)  # accepted, now blocked waiting for hello
-        t0 = time.monotonic()
+    with socket.create_connection((addr["host"], addr["port"]), timeout=30) as sock:
+        sock.sendall(LENGTH.pack(10))  # part of a hello: the stream is blocked reading the rest
+        deadline = time.monotonic() + 30
+        while eng._listener.pending == 0:  # accepted and counted as pending: state, not a nap
+            assert time.monotonic() < deadline, "the listener never accepted the connection"
+            threading.Event().wait(0.01)
         eng.close()
-        assert time.monotonic() - t0 < 3
         assert sock.recv(1) == b""  # the engine hung up instead of waiting out the handshake
