@@ -51,7 +51,7 @@ from .listener import DEFAULT_MAX_PENDING, Listener, Slot
 from .nixl_conn import NixlConnection
 from .nixl_peer import InboundPeer
 from .nixl_progress import Progress, lost
-from .nixl_wire import Welcome, make_agent, translate
+from .nixl_wire import Welcome, interface_of, make_agent, translate
 from .peering import SocketPeers
 from .regions import Region, RegionTable
 
@@ -109,7 +109,9 @@ class NixlEngine(SocketPeers, TransportEngine):
         self._serial = itertools.count(1)
         self._outbound: dict[str, NixlConnection] = {}
         self._agent_lock = threading.Lock()  # every NIXL call on the initiating agent
-        self._agent = make_agent(self.engine_id, tls)
+        # UCX listens on every interface it may use: keep it on the one `host` names
+        self.device = interface_of(host)
+        self._agent = make_agent(self.engine_id, tls, self.device)
         self._regs: dict[int, Any] = {}
         self._sends: list[_Send] = []
         self._pending: set[InboundPeer] = set()  # accepted, handshake not done: close() fences them

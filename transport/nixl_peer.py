@@ -100,7 +100,7 @@ class InboundPeer:
                 raise ProtocolError(f"expected hello, got {type(hello).TYPE}")
             self.sender = hello.engine
             self.agent_name = f"{self.engine.engine_id}<{hello.engine}#{self.serial}"
-            self.agent = make_agent(self.agent_name, self.engine.tls)
+            self.agent = make_agent(self.agent_name, self.engine.tls, self.engine.device)
             welcome = self.engine._admit(self)  # registers every region under the engine lock
             # The reader blocks until the peer talks or hangs up; sends (acks,
             # from the progress thread) give up after SEND_TIMEOUT instead.
