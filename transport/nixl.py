@@ -216,13 +216,8 @@ class NixlEngine(SocketPeers, TransportEngine):
     def _accepted(self, sock: socket.socket, where: str, slot: Slot) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = InboundPeer(self, sock, where, next(self._serial), slot)
-        with self._lock:
-            if self._closed:
-                slot.admitted()
-                sock.close()
-                return
-            self._pending.add(peer)
-        peer.start()
+        if self._track_accepted(self._pending, peer, sock, slot):
+            peer.start()
 
     def _admit(self, peer: InboundPeer) -> Welcome:
         """Register every live region on a new link's agent and welcome it (or refuse: closed)."""

@@ -116,15 +116,8 @@ class TcpEngine(SocketPeers, TransportEngine):
     def _accepted(self, sock: socket.socket, peer: str, slot: Slot) -> None:
         tune(sock)
         stream = InboundStream(self, sock, peer, slot)
-        with self._lock:
-            if self._closed:
-                slot.admitted()
-                sock.close()
-                return
-            # tracked from accept, not from hello: close() must reach a
-            # stream still waiting for its handshake too
-            self._inbound.add(stream)
-        stream.start()
+        if self._track_accepted(self._inbound, stream, sock, slot):
+            stream.start()
 
     def _attach(self, stream: InboundStream, link: str, streams: int) -> LinkState:
         with self._lock:
