@@ -18,6 +18,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from pdxfer.transport.handles import Handle
 
 from pdxfer import transport
 
@@ -53,3 +54,36 @@ def test_engines_then_exit_returns_0_every_time(backend: str) -> None:
     assert forked.returncode == 0, forked.stderr[-3000:]
     codes = json.loads(forked.stdout.strip().splitlines()[-1])
     assert codes == [0] * 10, (codes, forked.stderr[-3000:])
+
+
+def test_loopback_close_waits_for_a_busy_worker(monkeypatch) -> None:
+    # The worker is held after its copy (in completing the handle, outside every lock), so
+    # sever() has nothing to wait for: only close()'s join keeps close from returning
+    # while a thread of ours still runs. A broken close returns within the 2 s given.
+    entered, opened = threading.Event(), threading.Event()
+    complete = Handle.complete
+
+    def held(self: Handle) -> bool:
+        if threading.current_thread().name.startswith("loopback ") and not entered.is_set():
+            entered.set()
+            opened.wait(30)
+        return complete(self)
+
+    monkeypatch.setattr(Handle, "complete", held)
+    a, b = transport.create("loopback"), transport.create("loopback")
+    try:
+        local = a.register(torch.ones(4096, dtype=torch.uint8))
+        remote = b.register(torch.zeros(4096, dtype=torch.uint8))
+        a.connect(b.address()).write(local, remote.descriptor(), np.array([[0, 0, 4096]], np.int64))
+        assert entered.wait(30)
+        closer = threading.Thread(target=a.close)
+        closer.start()
+        closer.join(2.0)
+        returned_early = not closer.is_alive()
+        opened.set()
+        closer.join(30)
+        assert not returned_early, "close() returned while its link worker was still running"
+    finally:
+        opened.set()
+        a.close()
+        b.close()
