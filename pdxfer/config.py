@@ -16,6 +16,7 @@ properties, and the engines ask for it rather than recomputing it.
 from __future__ import annotations
 
 import enum
+import math
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,15 @@ class EngineConfig:
     A dead or stalled peer therefore fails its requests within about
     `timeout + abort_grace` seconds. Serving deployments whose prefill queue
     can hold a request longer than that raise it; tests lower it.
+
+    Durations must be finite and positive: NaN would silently disable every
+    timeout (no comparison with NaN is ever true) and `inf` would make a dead
+    peer's requests wait forever, so both are refused; "very long" is a large
+    number (1e6 s is eleven days). `transport_options` are the backend's own
+    constructor options (`transport.registry.options(name)` lists them): an
+    unknown key, `host` (that is `EngineConfig.host`), or an option the
+    backend accepts but ignores (loopback's port/streams, nixl's streams) is
+    refused rather than silently dropped.
     """
 
     transport: str = "tcp"
@@ -59,16 +69,7 @@ class EngineConfig:
     abort_grace: float | None = None  # None: min(1 s, timeout / 2)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.transport, str) or not self.transport:
-            raise ConfigError(f"EngineConfig.transport must be a backend name, got {self.transport!r}")
-        if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
-            raise ConfigError(f"EngineConfig.port must be 0..65535, got {self.port!r}")
-        for name in ("timeout", "heartbeat_interval", "abort_grace"):
-            value = getattr(self, name)
-            if value is None and name != "timeout":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"EngineConfig.{name} must be a positive number of seconds, got {value!r}")
+        _validate(self)
         # Frozen means frozen: a dict the caller keeps could change under us.
         object.__setattr__(self, "transport_options", types.MappingProxyType(dict(self.transport_options)))
 
@@ -86,6 +87,50 @@ class EngineConfig:
         options = tuple(sorted((k, repr(v)) for k, v in self.transport_options.items()))
         return hash((self.transport, self.host, self.port, self.timeout, options,
                      self.heartbeat_interval, self.abort_grace))
+
+
+def _validate(cfg: EngineConfig) -> None:
+    """Every field check of `EngineConfig`, in one place: `ConfigError` naming the field and the fix."""
+    if not isinstance(cfg.transport, str) or not cfg.transport:
+        raise ConfigError(f"EngineConfig.transport must be a backend name, got {cfg.transport!r}")
+    if not isinstance(cfg.host, str):
+        raise ConfigError(f"EngineConfig.host must be a host name or address string, got {cfg.host!r}")
+    # bool is an int: port=True would bind port 1
+    if isinstance(cfg.port, bool) or not isinstance(cfg.port, int) or not 0 <= cfg.port <= 65535:
+        raise ConfigError(f"EngineConfig.port must be an int 0..65535, got {cfg.port!r}")
+    for name in ("timeout", "heartbeat_interval", "abort_grace"):
+        value = getattr(cfg, name)
+        if value is None and name != "timeout":
+            continue
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value <= 0):
+            raise ConfigError(
+                f"EngineConfig.{name} must be a finite, positive number of seconds, got {value!r}"
+                + ("; for 'no limit' pass a large number such as 1e6" if value == math.inf else "")
+            )
+    if not isinstance(cfg.transport_options, Mapping):
+        raise ConfigError(f"EngineConfig.transport_options must be a mapping, got {cfg.transport_options!r}")
+    if not cfg.transport_options:
+        return
+    from pdxfer import transport  # here: a config without options never loads a backend
+
+    try:
+        used, ignored = transport.registry.options(cfg.transport)
+    except transport.CapabilityError:
+        return  # the backend is absent: creating the engine says so, with the install hint
+    for key in cfg.transport_options:
+        if key == "host":
+            raise ConfigError("transport_options['host'] duplicates EngineConfig.host; set that instead")
+        if key in ignored:
+            raise ConfigError(
+                f"transport {cfg.transport!r} ignores the option {key!r}; drop it "
+                f"(its options: {', '.join(sorted(used - {'host'}))})"
+            )
+        if key not in used:
+            raise ConfigError(
+                f"unknown transport_options key {key!r} for transport {cfg.transport!r}; "
+                f"valid: {', '.join(sorted(used - {'host'}))}"
+            )
 
 
 @dataclass(frozen=True)

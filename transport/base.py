@@ -107,7 +107,15 @@ class Connection(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Fail whatever is in flight with `ClosedError` and release the link. Idempotent."""
+        """Fail whatever is in flight with `ClosedError` and release the link. Idempotent.
+
+        Closing is the *sender's* act and stops it sending; it is not a fence
+        on the receiver. Bytes already handed to the network (tcp's socket
+        buffers) may still land in the receiver's memory after `close`
+        returns, until the receiver has read them or fences this sender with
+        `drop_peer`. A receiver that reuses the destination of a failed or
+        abandoned transfer fences the sender first.
+        """
 
 
 class TransportEngine(abc.ABC):
@@ -149,7 +157,11 @@ class TransportEngine(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Fail in-flight work, stop threads, deregister everything. Idempotent; always returns."""
+        """Fail in-flight work, stop and join its threads (bounded), deregister everything.
+
+        Idempotent; always returns. Joins every thread the engine started, so
+        none is still inside a copy when the interpreter exits.
+        """
 
     def __enter__(self) -> TransportEngine:
         return self

@@ -249,10 +249,19 @@ class CopyPool:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="loopback-copy")
         return self._pool
 
-    def close(self) -> None:
-        """Stop the helper threads (idempotent); queued helper work is cancelled."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the helper threads and join them, `timeout` s each (idempotent).
+
+        Queued helper work is cancelled; a batch being copied finishes first.
+        Joined rather than left to die: a helper still copying at interpreter
+        exit runs native code while the runtime tears down.
+        """
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+            # ThreadPoolExecutor.shutdown(wait=True) has no bound; its threads do.
+            for thread in list(getattr(pool, "_threads", ())):
+                if thread is not threading.current_thread():
+                    thread.join(timeout)

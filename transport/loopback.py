@@ -55,6 +55,8 @@ from .regions import Region, RegionTable, check_descriptor
 from .segments import as_table, check_notify, check_table
 
 log = logging.getLogger(__name__)
+# How long close() waits for each thread it started (a copy in flight finishes first).
+JOIN_TIMEOUT = 10.0
 
 # Live engines of this process by id: what `connect` resolves an address with.
 _ENGINES: weakref.WeakValueDictionary[str, LoopbackEngine] = weakref.WeakValueDictionary()
@@ -84,7 +86,7 @@ class LoopbackConnection(Connection):
         self._peer = peer
         self._cond = threading.Condition()
         self._queue: collections.deque[_Transfer] = collections.deque()
-        self._landing = threading.Lock()
+        self._landing = threading.RLock()
         self._error: TransportError | None = None  # set once: the link is dead
         self._ids = itertools.count(1)
         # id(descriptor) -> (descriptor, region, length, backend, engine): see `_remote`.
@@ -175,7 +177,13 @@ class LoopbackConnection(Connection):
                 log.exception("loopback copy failed")
                 return
             if item.notify is not None:
-                self._peer._deliver(self._owner.engine_id, item.notify)
+                # Started under the landing lock: sever() waits a running notify out
+                # and none starts after it (re-entrant: the handler may drop_peer).
+                with self._landing:
+                    if self._error is not None:
+                        item.handle.fail(self._error)
+                        return
+                    self._peer._deliver(self._owner.engine_id, item.notify)
             item.handle.complete()
 
     def sever(self, error: TransportError) -> None:
@@ -193,16 +201,26 @@ class LoopbackConnection(Connection):
             pass
 
     def close(self) -> None:
-        # No join: the worker exits on its own once it sees the error, and it
-        # may be inside a user's notify handler that close must not wait for.
-        # The landing lock in sever() is what guarantees no byte lands later.
         self.sever(ClosedError(f"connection {self._owner.engine_id}->{self._peer.engine_id} closed"))
+        self.join(JOIN_TIMEOUT)
+
+    def join(self, timeout: float) -> None:
+        """Wait (bounded) for the worker to exit; it does once it sees the link's error.
+
+        Exists so close() leaves no thread of ours inside a copy at interpreter
+        exit (a native thread still running there can abort the process). Not
+        from the worker itself: a notify handler may close the engine.
+        """
+        if threading.current_thread() is not self._worker:
+            self._worker.join(timeout)
 
 
 class LoopbackEngine(TransportEngine):
     """An engine whose peers are other loopback engines of this process."""
 
     name = "loopback"
+    # accepted so one set of common options fits every backend; no socket to apply them to
+    IGNORED_OPTIONS = frozenset({"host", "port", "streams"})
     capabilities = Capabilities(
         cuda_memory=True, cuda_zero_copy=True, cross_process=False,
         one_sided=True, notify=True, read=False,
@@ -312,5 +330,7 @@ class LoopbackEngine(TransportEngine):
             conn.sever(PeerLostError(f"loopback engine {self.engine_id} closed"))
         for conn in outbound:
             conn.close()
-        self._copier.close()
+        for conn in inbound:
+            conn.join(JOIN_TIMEOUT)
+        self._copier.close(JOIN_TIMEOUT)
         self._regions.clear()

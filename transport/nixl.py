@@ -47,10 +47,11 @@ import torch
 
 from .base import Capabilities, LocalRegion, NotifyHandler, TransportEngine
 from .errors import CapabilityError, ClosedError, PeerLostError, RegistrationError, TransportError
+from .listener import DEFAULT_MAX_PENDING, Listener, Slot
 from .nixl_conn import NixlConnection
 from .nixl_peer import InboundPeer
 from .nixl_progress import Progress, lost
-from .nixl_wire import Welcome, make_agent, translate
+from .nixl_wire import Welcome, interface_of, make_agent, translate
 from .peering import SocketPeers
 from .regions import Region, RegionTable
 
@@ -74,6 +75,7 @@ class NixlEngine(SocketPeers, TransportEngine):
     """A nixl transport engine: one initiating agent, a control listener, links both ways."""
 
     name = "nixl"
+    IGNORED_OPTIONS = frozenset({"streams"})  # UCX decides its own lanes
     capabilities = Capabilities(
         cuda_memory=False, cuda_zero_copy=False, cross_process=True,
         one_sided=False, notify=True, read=False,
@@ -87,9 +89,12 @@ class NixlEngine(SocketPeers, TransportEngine):
         *,
         tls: str = "tcp",
         connect_timeout: float = 10.0,
+        max_pending: int = DEFAULT_MAX_PENDING,
     ) -> None:
         """`host`/`port`: the control listener. `streams` is accepted like every backend's
-        common option and unused: UCX decides its own lanes. `tls`: the UCX transports."""
+        common option and unused: UCX decides its own lanes. `tls`: the UCX transports.
+        `connect_timeout` bounds our connects and every inbound handshake;
+        `max_pending` caps inbound connections still in their handshake."""
         del streams
         self.engine_id = f"nixl-{uuid.uuid4().hex[:12]}"
         self.tls = tls
@@ -104,21 +109,20 @@ class NixlEngine(SocketPeers, TransportEngine):
         self._serial = itertools.count(1)
         self._outbound: dict[str, NixlConnection] = {}
         self._agent_lock = threading.Lock()  # every NIXL call on the initiating agent
-        self._agent = make_agent(self.engine_id, tls)
+        # UCX listens on every interface it may use: keep it on the one `host` names
+        self.device = interface_of(host)
+        self._agent = make_agent(self.engine_id, tls, self.device)
         self._regs: dict[int, Any] = {}
         self._sends: list[_Send] = []
-        try:
-            self._listener = socket.create_server((host, port), backlog=128)
-        except OSError as exc:
-            raise TransportError(f"nixl engine cannot listen on {host}:{port}: {exc}") from exc
-        bound = self._listener.getsockname()
-        self._host = socket.gethostname() if host in ("", "0.0.0.0", "::") else bound[0]
-        self._port = bound[1]
+        self._pending: set[InboundPeer] = set()  # accepted, handshake not done: close() fences them
         self._progress = Progress(self)
-        self._acceptor = threading.Thread(
-            target=self._accept_loop, daemon=True, name=f"nixl-accept {self._port}"
-        )
-        self._acceptor.start()
+        try:
+            self._listener = Listener(self.name, host, port, self._accepted,
+                                      handshake_timeout=connect_timeout, max_pending=max_pending)
+        except BaseException:
+            self._progress.stop(2.0)
+            raise
+        self._host, self._port = self._listener.host, self._listener.port
 
     # -- memory -------------------------------------------------------------
     def register(self, tensor: torch.Tensor) -> LocalRegion:
@@ -209,17 +213,10 @@ class NixlEngine(SocketPeers, TransportEngine):
             peer.fence()
 
     # -- inbound links (called by InboundPeer) -------------------------------
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError as exc:
-                if self._closed:
-                    return
-                log.warning("nixl engine %s: accept failed: %s", self.engine_id, exc)
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            peer = InboundPeer(self, sock, f"{addr[0]}:{addr[1]}", next(self._serial))
+    def _accepted(self, sock: socket.socket, where: str, slot: Slot) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = InboundPeer(self, sock, where, next(self._serial), slot)
+        if self._track_accepted(self._pending, peer, sock, slot):
             peer.start()
 
     def _admit(self, peer: InboundPeer) -> Welcome:
@@ -229,11 +226,13 @@ class NixlEngine(SocketPeers, TransportEngine):
                 raise PeerLostError(f"nixl engine {self.engine_id} is closing")
             welcome = peer.welcome(list(self._live.values()))
             self._peers.add(peer)
+            self._pending.discard(peer)
         return welcome
 
     def _forget(self, peer: InboundPeer) -> None:
         with self._lock:
             self._peers.discard(peer)
+            self._pending.discard(peer)
 
     def _live_peers(self) -> list[InboundPeer]:
         with self._lock:
@@ -333,18 +332,15 @@ class NixlEngine(SocketPeers, TransportEngine):
                 return
             self._closed = True
             outbound = list(self._outbound.values())
-            peers = list(self._peers)
-        try:  # wakes the blocked accept() on Linux
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+            peers = list(self._peers) + list(self._pending)
+        self._listener.close(2.0)
         for peer in peers:
             peer.fence()
         for conn in outbound:
             conn.close()
         self._progress.stop(2.0)
-        self._acceptor.join(2.0)
+        for peer in peers:
+            peer.join(2.0)
         with self._agent_lock:
             agent, self._agent = self._agent, None
             for send in self._sends:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import PeerLostError, ProtocolError, TransportError
+from .listener import Slot
 from .nixl_wire import (
     CONTROL,
     Acks,
@@ -43,6 +44,7 @@ from .nixl_wire import (
     unpack_note,
 )
 from .regions import Region
+from .wire import HANDSHAKE_MAX_FRAME
 
 if TYPE_CHECKING:
     from .nixl import NixlEngine
@@ -63,9 +65,11 @@ def region_rows(regions: list[Region]) -> bytes:
 class InboundPeer:
     """One sender's link into this engine: its control socket, its serving agent, its fence."""
 
-    def __init__(self, engine: NixlEngine, sock: socket.socket, where: str, serial: int) -> None:
+    def __init__(self, engine: NixlEngine, sock: socket.socket, where: str, serial: int,
+                 slot: Slot) -> None:
         self.engine = engine
         self.sock = sock
+        self.slot = slot  # our place in the listener's pre-handshake budget
         self.where = where
         self.serial = serial
         self.sender: str | None = None
@@ -73,6 +77,8 @@ class InboundPeer:
         self.agent_name = ""
         self.lock = threading.Lock()  # held by every NIXL call on `agent`
         self.send_lock = threading.Lock()
+        # held while the progress thread hands this link's notifies to the handler
+        self.delivering = threading.RLock()
         self.dead = False
         self._regs: dict[int, object] = {}  # region id -> NIXL registration on `agent`
         self._thread = threading.Thread(target=self._serve, name=f"nixl-in {where}", daemon=True)
@@ -80,16 +86,21 @@ class InboundPeer:
     def start(self) -> None:
         self._thread.start()
 
+    def join(self, timeout: float) -> None:
+        """Wait (bounded) for the link's reader thread: close() joins what the engine started."""
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
     # -- setup --------------------------------------------------------------
     def _serve(self) -> None:
         try:
-            self.sock.settimeout(self.engine.connect_timeout)
-            hello = recv_control(self.sock)
+            # the listener set the handshake timeout; until Welcome, frames are capped small
+            hello = recv_control(self.sock, HANDSHAKE_MAX_FRAME)
             if not isinstance(hello, Hello):
                 raise ProtocolError(f"expected hello, got {type(hello).TYPE}")
             self.sender = hello.engine
             self.agent_name = f"{self.engine.engine_id}<{hello.engine}#{self.serial}"
-            self.agent = make_agent(self.agent_name, self.engine.tls)
+            self.agent = make_agent(self.agent_name, self.engine.tls, self.engine.device)
             welcome = self.engine._admit(self)  # registers every region under the engine lock
             # The reader blocks until the peer talks or hangs up; sends (acks,
             # from the progress thread) give up after SEND_TIMEOUT instead.
@@ -97,6 +108,7 @@ class InboundPeer:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                  struct.pack("ll", int(SEND_TIMEOUT), 0))
             self._send(welcome)
+            self.slot.admitted()
             while not self.dead:
                 msg = recv_control(self.sock)
                 if isinstance(msg, Refresh):
@@ -110,6 +122,7 @@ class InboundPeer:
                 log.warning("nixl link from %s (%s) dropped: %s", self.sender, self.where, exc)
         except Exception:  # a NIXL failure while admitting: the link is unusable
             log.exception("nixl link from %s (%s) failed", self.sender, self.where)
+        self.slot.admitted()
         self.fence()
 
     def welcome(self, regions: list[Region]) -> Welcome:
@@ -208,12 +221,11 @@ class InboundPeer:
 
         Taking `lock` waits out a progress call in flight; `dead` keeps any
         later one from starting; destroying the agent closes its UCX
-        sockets, so the sender sees the link fail too.
+        sockets, so the sender sees the link fail too. Taking `delivering`
+        waits out a notify of this link being handed to the handler.
         """
         with self.lock:
-            if self.dead:
-                return
-            self.dead = True
+            already, self.dead = self.dead, True
             agent, self.agent = self.agent, None
             regs, self._regs = list(self._regs.values()), {}
             if agent is not None:
@@ -223,6 +235,11 @@ class InboundPeer:
                     except Exception:
                         log.exception("nixl: deregistering during a fence failed")
                 del agent  # the last reference: the C++ agent and its UCX worker go now
+        # every caller waits out a notify being delivered, even a second one; none starts later
+        with self.delivering:
+            pass
+        if already:
+            return
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

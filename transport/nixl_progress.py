@@ -14,8 +14,10 @@ poll either: they wait on their `Handle`'s event, with a timeout.
 A round: (1) every posted transfer's state under the sending agent's lock —
 DONE releases the NIXL request, an error fails the transfer and severs its
 link; (2) every live inbound link's notifications, each delivered to the
-notify handler (outside every lock: the handler may call `drop_peer`) and
-then acknowledged to its sender in one `Acks` frame per link per round.
+notify handler under that link's re-entrant `delivering` lock (so its fence
+waits a running notify out and no notify starts after the fence; the
+handler may itself call `drop_peer`) and then acknowledged to its sender in
+one `Acks` frame per link per round.
 
 Deletion condition: a NIXL Python API exposing the UCX worker's event fd or
 a completion callback; then this becomes a blocking wait.
@@ -87,9 +89,14 @@ class Progress:
             if not landed:
                 continue
             worked = True
-            for _, payload in landed:
-                if payload is not None:
-                    engine._deliver(peer.sender, payload)
+            # Started under the link's delivery lock: its fence waits a running
+            # notify out and none starts after it (re-entrant: a handler may drop_peer).
+            with peer.delivering:
+                if peer.dead:
+                    continue
+                for _, payload in landed:
+                    if payload is not None:
+                        engine._deliver(peer.sender, payload)
             if not peer.dead:
                 peer.ack([seq for seq, _ in landed])
         return worked, sending

@@ -66,6 +66,19 @@ class SocketPeers:
             spare.close()
         return fresh
 
+    def _track_accepted(self, table: set[Any], item: Any, sock: Any, slot: Any) -> bool:
+        """Track a just-accepted connection in `table` so close() reaches it before its handshake.
+
+        False (the socket closed, its listener slot freed) when the engine is closing.
+        """
+        with self._lock:
+            if self._closed:
+                slot.admitted()
+                sock.close()
+                return False
+            table.add(item)
+        return True
+
     def set_notify_handler(self, handler: NotifyHandler | None) -> None:
         self._handler = handler
 

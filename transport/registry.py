@@ -9,6 +9,7 @@ install hint, instead of an `ImportError` from somewhere inside.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from .base import TransportEngine
@@ -46,6 +47,22 @@ def available() -> list[str]:
             continue
         out.append(name)
     return out
+
+
+def options(name: str) -> tuple[frozenset[str], frozenset[str]]:
+    """`(used, ignored)`: the keyword options backend `name` acts on, and those it only accepts.
+
+    Read from the constructor's signature, so it cannot drift from what
+    `create` takes; `ignored` is the backend's `IGNORED_OPTIONS` — the common
+    options (host, port, streams) it accepts so callers can pass one set to any
+    backend, but has no use for. `CapabilityError` if the backend is absent.
+    """
+    cls = _load(name)
+    params = inspect.signature(cls.__init__).parameters
+    names = frozenset(p for p in params if p != "self"
+                      and params[p].kind in (params[p].POSITIONAL_OR_KEYWORD, params[p].KEYWORD_ONLY))
+    ignored = frozenset(getattr(cls, "IGNORED_OPTIONS", ()))
+    return names - ignored, ignored & names
 
 
 def create(name: str, **options: Any) -> TransportEngine:

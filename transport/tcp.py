@@ -32,6 +32,7 @@ import torch
 
 from .base import Capabilities, LocalRegion, NotifyHandler, TransportEngine
 from .errors import ClosedError, PeerLostError, ProtocolError, TransportError
+from .listener import DEFAULT_MAX_PENDING, Listener, Slot
 from .peering import SocketPeers
 from .regions import RegionTable
 from .tcp_recv import MAX_STREAMS, InboundStream, LinkState
@@ -63,9 +64,12 @@ class TcpEngine(SocketPeers, TransportEngine):
         bounce_bytes: int = 8 << 20,
         force_bounce: bool = False,
         connect_timeout: float = 10.0,
+        max_pending: int = DEFAULT_MAX_PENDING,
     ) -> None:
         """`force_bounce` routes host memory through the bounce buffer too: it
-        exists so the CUDA staging path is tested on machines without a GPU."""
+        exists so the CUDA staging path is tested on machines without a GPU.
+        `connect_timeout` bounds our connects and every inbound handshake;
+        `max_pending` caps inbound connections still in their handshake."""
         streams = default_streams() if streams is None else streams
         if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
             raise TransportError(f"streams must be an int in 1..{MAX_STREAMS}, got {streams!r}")
@@ -84,18 +88,9 @@ class TcpEngine(SocketPeers, TransportEngine):
         self._outbound: dict[str, TcpConnection] = {}
         self._inbound: set[InboundStream] = set()
         self._links: dict[str, LinkState] = {}
-        try:
-            self._listener = socket.create_server((host, port), backlog=128)
-        except OSError as exc:
-            raise TransportError(f"tcp engine cannot listen on {host}:{port}: {exc}") from exc
-        bound = self._listener.getsockname()
-        wildcard = host in ("", "0.0.0.0", "::")
-        self._host = socket.gethostname() if wildcard else bound[0]
-        self._port = bound[1]
-        self._acceptor = threading.Thread(
-            target=self._accept_loop, daemon=True, name=f"tcp-accept {self._port}"
-        )
-        self._acceptor.start()
+        self._listener = Listener(self.name, host, port, self._accepted,
+                                  handshake_timeout=connect_timeout, max_pending=max_pending)
+        self._host, self._port = self._listener.host, self._listener.port
 
     # -- memory -------------------------------------------------------------
     def register(self, tensor: torch.Tensor) -> LocalRegion:
@@ -118,24 +113,10 @@ class TcpEngine(SocketPeers, TransportEngine):
             stream.fence()
 
     # -- inbound bookkeeping (called by InboundStream) ----------------------
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError as exc:
-                if self._closed:
-                    return
-                log.warning("tcp engine %s: accept failed: %s", self.engine_id, exc)
-                continue
-            tune(sock)
-            stream = InboundStream(self, sock, f"{addr[0]}:{addr[1]}")
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                # tracked from accept, not from hello: close() must reach a
-                # stream still waiting for its handshake too
-                self._inbound.add(stream)
+    def _accepted(self, sock: socket.socket, peer: str, slot: Slot) -> None:
+        tune(sock)
+        stream = InboundStream(self, sock, peer, slot)
+        if self._track_accepted(self._inbound, stream, sock, slot):
             stream.start()
 
     def _attach(self, stream: InboundStream, link: str, streams: int) -> LinkState:
@@ -175,14 +156,11 @@ class TcpEngine(SocketPeers, TransportEngine):
             outbound = list(self._outbound.values())
             inbound = list(self._inbound)
             self._outbound.clear()
-        try:  # wakes the blocked accept() on Linux
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        self._listener.close(2.0)
         for stream in inbound:
             stream.fence()
         for conn in outbound:
             conn.close()
-        self._acceptor.join(2.0)
+        for stream in inbound:
+            stream.join(2.0)
         self.regions.clear()

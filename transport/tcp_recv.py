@@ -15,10 +15,12 @@ and sends the `Ack`, so both follow every byte of every stripe.
 
 The fence (`fence()`, used by `drop_peer` and `close`): set `dropped`, shut the
 socket down (which wakes a blocked recv), then take the landing lock, which a
-stream holds for the whole of each payload read and under which it checks
-`dropped` first. When `fence()` returns no byte of that stream lands again.
-A notify already handed to the handler may still be running; none starts
-after the fence.
+stream holds for the whole of each payload read and of each notify delivery,
+and under which it checks `dropped` first. When `fence()` returns no byte of
+that stream lands again and no notify of it starts or is still running —
+except one whose handler itself called `drop_peer`/`close` (the lock is
+re-entrant for exactly that). Trap: a handler that waits for *another*
+thread's `drop_peer` of the same peer would deadlock; handlers must stay short.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PeerLostError, ProtocolError, TransferTimeout
+from .listener import Slot
 from .segments import check_ranges
 from .tcp_io import Bounce, recv_all, slices
 from .tcp_wire import (
@@ -45,10 +48,9 @@ from .tcp_wire import (
     StripeEnd,
     Welcome,
 )
-from .wire import ErrorMessage
+from .wire import HANDSHAKE_MAX_FRAME, ErrorMessage
 
 log = logging.getLogger(__name__)
-HANDSHAKE_TIMEOUT = 10.0
 MAX_STREAMS = 64
 
 
@@ -91,15 +93,16 @@ class LinkState:
 class InboundStream:
     """One accepted socket: handshake, then headers and payloads until EOF or fence."""
 
-    def __init__(self, engine: Any, sock: socket.socket, peer: str) -> None:
+    def __init__(self, engine: Any, sock: socket.socket, peer: str, slot: Slot) -> None:
         self.engine = engine  # the owning TcpEngine: regions, notify delivery, link table
         self.sock = sock
+        self.slot = slot  # our place in the listener's pre-handshake budget
         self.where = f"tcp stream from {peer}"
         self.sender: str | None = None
         self.state: LinkState | None = None
         self.link = ""  # the sending link's id, set by the engine on attach
         self.dropped = False
-        self.landing = threading.Lock()
+        self.landing = threading.RLock()
         self._sock_lock = threading.Lock()
         self._bounce = Bounce(engine.bounce_bytes, engine.pinned)
         self._transfer: int | None = None  # the transfer whose stripe is arriving
@@ -108,6 +111,11 @@ class InboundStream:
 
     def start(self) -> None:
         self.thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait (bounded) for the stream's thread: close() joins what the engine started."""
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
 
     def fence(self) -> None:
         """Stop this stream for good: after return, no byte of it lands."""
@@ -146,14 +154,15 @@ class InboundStream:
             self._say(ErrorMessage(reason=f"internal error: {exc}"))
         finally:
             self.dropped = True
+            self.slot.admitted()
             self.engine._detach(self)
             self._shutdown()
             with self._sock_lock:
                 self.sock.close()
 
     def _serve(self) -> None:
-        self.sock.settimeout(HANDSHAKE_TIMEOUT)
-        hello = PROTOCOL.recv(self.sock)
+        # the listener set the handshake timeout; until Welcome, frames are capped small
+        hello = PROTOCOL.recv(self.sock, HANDSHAKE_MAX_FRAME)
         if not isinstance(hello, Hello):
             raise ProtocolError(f"expected hello as the first frame, got {type(hello).TYPE}")
         if not (1 <= hello.streams <= MAX_STREAMS and 0 <= hello.stream < hello.streams):
@@ -165,6 +174,7 @@ class InboundStream:
         self.state = self.engine._attach(self, hello.link, hello.streams)
         PROTOCOL.send(self.sock, Welcome(engine=self.engine.engine_id))
         self.sock.settimeout(None)
+        self.slot.admitted()
         try:
             while not self.dropped:
                 msg = PROTOCOL.recv(self.sock)
@@ -232,9 +242,11 @@ class InboundStream:
         done, notify = self.state.stripe_done(msg.transfer, msg.stripes, msg.notify)
         if not done:
             return
+        # The notify starts under the landing lock, so a fence either waits it
+        # out or keeps it from starting (re-entrant: the handler may drop_peer).
         with self.landing:
             if self.dropped:
                 return
-        if notify is not None:
-            self.engine._deliver(self.sender, notify)
+            if notify is not None:
+                self.engine._deliver(self.sender, notify)
         PROTOCOL.send(self.sock, Ack(transfer=msg.transfer))

@@ -10,9 +10,14 @@ must carry exactly the dataclass's fields with the declared types. Anything
 else is a `ProtocolError` naming what was wrong — never a `KeyError` deep in a
 handler, never positional decoding of a list, and never pickle.
 
-Sizes are refused before allocation: a length prefix over `max_frame` is a
-`ProtocolError` raised before a byte of the body is read, so a corrupt or
-hostile peer cannot make us allocate gigabytes.
+Sizes are refused before allocation, and nothing is allocated on a peer's
+word: a length prefix over the limit is a `ProtocolError` raised before a
+byte of the body is read, and a body's buffer grows with the bytes that
+actually arrive (`recv_exact`), so a peer that announces a large frame and
+then stalls costs us what it sent, not what it announced. Listeners pass
+`HANDSHAKE_MAX_FRAME` as the limit until a peer has completed its handshake
+(`Protocol.recv(sock, limit)`): an unauthenticated peer is held to a few KiB;
+after the handshake the protocol's own `max_frame` applies.
 
 Deliberately absent: nested-schema validation. A field typed `dict` or `list`
 is checked to be one; what is inside is the consuming handler's to check,
@@ -36,6 +41,12 @@ from .errors import PeerLostError, ProtocolError, TransferTimeout
 
 LENGTH = struct.Struct("!I")
 DEFAULT_MAX_FRAME = 1 << 20
+# The largest frame a listener reads before the peer's handshake: every
+# protocol's first frame (an engine id and a few ints) fits many times over.
+HANDSHAKE_MAX_FRAME = 4096
+# A body is read in pieces of at most this many bytes: the buffer grows by
+# what arrived, never by what the length prefix claims.
+_RECV_PIECE = 256 * 1024
 _ENVELOPE_KEYS = frozenset({"p", "v", "t", "b"})
 
 
@@ -107,10 +118,12 @@ class Protocol:
         return LENGTH.pack(len(payload)) + payload
 
     # -- decoding ---------------------------------------------------------
-    def check_length(self, length: int) -> None:
-        if length > self.max_frame:
+    def check_length(self, length: int, limit: int | None = None) -> None:
+        """Refuse a length prefix over `limit` (default: the protocol's `max_frame`)."""
+        limit = self.max_frame if limit is None else min(limit, self.max_frame)
+        if length > limit:
             raise ProtocolError(
-                f"frame length {length} B exceeds the {self.max_frame} B limit of "
+                f"frame length {length} B exceeds the {limit} B limit of "
                 f"protocol {self.name}; the peer is corrupt or speaks something else"
             )
 
@@ -161,27 +174,33 @@ class Protocol:
         except OSError as exc:
             raise PeerLostError(f"{self.name}: sending {type(msg).TYPE} failed: {exc}") from exc
 
-    def recv(self, sock: socket.socket) -> Any:
-        """Read one message from a blocking socket (honouring its timeout)."""
+    def recv(self, sock: socket.socket, limit: int | None = None) -> Any:
+        """Read one message from a blocking socket (honouring its timeout).
+
+        `limit` caps this frame below `max_frame`: a listener passes
+        `HANDSHAKE_MAX_FRAME` until the peer's handshake is done.
+        """
         head = recv_exact(sock, LENGTH.size, self.name)
         (length,) = LENGTH.unpack(head)
-        self.check_length(length)
+        self.check_length(length, limit)
         return self.unpack(recv_exact(sock, length, self.name))
 
 
 def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer") -> bytes:
-    """Exactly `nbytes` from `sock`, or `PeerLostError`/`TransferTimeout`."""
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    got = 0
-    while got < nbytes:
+    """Exactly `nbytes` from `sock`, or `PeerLostError`/`TransferTimeout`.
+
+    The buffer grows piece by piece with what arrives: a peer that announces
+    16 MiB and sends 12 bytes holds 12 bytes of ours, not 16 MiB.
+    """
+    buf = bytearray()
+    while len(buf) < nbytes:
         try:
-            n = sock.recv_into(view[got:])
+            piece = sock.recv(min(nbytes - len(buf), _RECV_PIECE))
         except TimeoutError as exc:
             raise TransferTimeout(f"{what}: no data for {sock.gettimeout()} s") from exc
         except OSError as exc:
             raise PeerLostError(f"{what}: connection failed: {exc}") from exc
-        if n == 0:
-            raise PeerLostError(f"{what}: peer closed the connection after {got}/{nbytes} B")
-        got += n
+        if not piece:
+            raise PeerLostError(f"{what}: peer closed the connection after {len(buf)}/{nbytes} B")
+        buf += piece
     return bytes(buf)

@@ -77,11 +77,11 @@ def test_config_is_frozen_and_validated() -> None:
         cfg.transport_options["streams"] = 4  # type: ignore[index]
     assert hash(cfg) == hash(EngineConfig(transport="tcp", transport_options={"streams": 2}))
     assert cfg.heartbeat == 2.5 and cfg.grace == 1.0
-    with pytest.raises(ConfigError, match="timeout must be a positive number"):
+    with pytest.raises(ConfigError, match="timeout must be a finite, positive number"):
         EngineConfig(timeout=0)
     with pytest.raises(ConfigError, match="transport must be a backend name"):
         EngineConfig(transport="")
-    with pytest.raises(ConfigError, match="port must be 0..65535"):
+    with pytest.raises(ConfigError, match="port must be an int 0..65535"):
         EngineConfig(port=70000)
     stats = RequestStats(1, 2, 3, 0.5)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -146,3 +146,28 @@ def test_different_transports_are_refused_in_the_handshake(pre, dec) -> None:
         decode.expect("t", prefill.bootstrap_address, {"kv": [1]})
         with pytest.raises(pdxfer.RequestFailed, match=f"decode uses transport '{dec}', this prefill '{pre}'"):
             decode.wait("t", 10)
+
+
+@pytest.mark.parametrize("field", ["timeout", "heartbeat_interval", "abort_grace"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, True])
+def test_config_refuses_durations_that_disable_timeouts(field: str, value: float) -> None:
+    # NaN compares false with everything: a NaN timeout never fires. inf waits forever.
+    with pytest.raises(ConfigError, match=f"{field} must be a finite, positive number"):
+        EngineConfig(**{field: value})
+
+
+def test_config_refuses_bools_where_ints_are_due() -> None:
+    with pytest.raises(ConfigError, match=r"port must be an int 0..65535, got True"):
+        EngineConfig(port=True)
+
+
+def test_config_refuses_unknown_and_ignored_transport_options() -> None:
+    with pytest.raises(ConfigError, match=r"unknown transport_options key 'stream' for transport "
+                                          r"'tcp'; valid: .*connect_timeout.*streams"):
+        EngineConfig(transport="tcp", transport_options={"stream": 2})
+    with pytest.raises(ConfigError, match=r"transport 'loopback' ignores the option 'streams'"):
+        EngineConfig(transport="loopback", transport_options={"streams": 2})
+    with pytest.raises(ConfigError, match=r"duplicates EngineConfig.host"):
+        EngineConfig(transport="tcp", transport_options={"host": "::1"})
+    assert EngineConfig(transport="tcp", transport_options={"streams": 2, "port": 0})
+    assert EngineConfig(transport="loopback", transport_options={"copy_threads": 2})

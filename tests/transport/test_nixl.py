@@ -7,6 +7,11 @@ cover the mechanisms nixl adds to meet it.
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import pathlib
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -95,3 +100,48 @@ def test_notification_frames_round_trip_and_refuse_garbage() -> None:
         unpack_note(b"\xc1 not msgpack")
     with pytest.raises(ProtocolError, match="exceeds"):
         unpack_note(b"x" * (200 * 1024))
+
+
+def test_ucx_log_lines_never_reach_stdout() -> None:
+    # a worker's stdout is its protocol channel; UCX prints its log there by default
+    env = {**os.environ, "UCX_LOG_LEVEL": "debug"}
+    env.pop("UCX_LOG_FILE", None)
+    child = pathlib.Path(__file__).with_name("ucx_quiet.py")
+    proc = subprocess.run([sys.executable, str(child)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "DONE\n", proc.stdout[:2000]
+    assert "UCX" in proc.stderr  # the log was written — to stderr
+
+
+def _listening_ports() -> set[str]:
+    """`addr:port` of every TCP socket this process listens on (from /proc/net/tcp{,6})."""
+    inodes = set()
+    for fd in pathlib.Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for name, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        with open(name) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    hexaddr, port = cols[1].split(":")
+                    raw = bytes.fromhex(hexaddr)
+                    # /proc prints each 32-bit word in host (little-endian) order
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+                    out.add(f"{ipaddress.ip_address(raw)}:{int(port, 16)}")
+    return out
+
+
+def test_ucx_listens_only_on_the_interface_of_the_host_given() -> None:
+    before = _listening_ports()
+    with transport.create("nixl", host="127.0.0.1") as eng:
+        assert eng.device == "lo"
+        opened = _listening_ports() - before
+        assert opened, "the engine opened no listener at all?"
+        assert all(a.startswith("127.") for a in opened), opened

@@ -20,7 +20,7 @@ def test_listens_on_loopback_unless_told_otherwise() -> None:
     with transport.create("tcp") as eng:
         addr = eng.address()
         assert addr["host"] == "127.0.0.1" and addr["port"] > 0 and addr["backend"] == "tcp"
-        assert eng._listener.getsockname()[0] == "127.0.0.1"
+        assert eng._listener._sock.getsockname()[0] == "127.0.0.1"
         assert 2 <= eng.streams <= 8
 
 

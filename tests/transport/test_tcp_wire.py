@@ -86,7 +86,9 @@ def _assert_still_serves(engine: transport.TransportEngine) -> None:
 BAD_FRAMES = [
     ("undecodable body", LENGTH.pack(5) + b"\xc1\xc1\xc1\xc1\xc1", "undecodable pdxfer-tcp frame"),
     ("trailing bytes after the map", LENGTH.pack(2) + b"\x80\x01", "undecodable"),
-    ("oversized length prefix", LENGTH.pack(1 << 31), r"frame length 2147483648 B exceeds the 1048576 B limit"),
+    # before the handshake the cap is wire.HANDSHAKE_MAX_FRAME, not the protocol's 1 MiB
+    ("oversized length prefix", LENGTH.pack(1 << 31), r"frame length 2147483648 B exceeds the 4096 B limit"),
+    ("frame over the handshake cap", LENGTH.pack(4097), r"frame length 4097 B exceeds the 4096 B limit"),
     ("not an envelope", _frame([1, 2, 3]), "is not an envelope map"),
     ("integer map keys", _frame({1: 2}), "undecodable"),
     ("unknown message type", _env("bogus", {}), "unknown pdxfer-tcp message type 'bogus'"),
@@ -106,6 +108,12 @@ def test_bad_first_frame_gets_error_frame_then_close(engine, data: bytes, match:
     assert len(replies) == 1 and isinstance(replies[0], ErrorMessage), replies
     assert re.search(match, replies[0].reason), replies[0].reason
     _assert_still_serves(engine)
+
+
+def test_post_handshake_frames_are_capped_at_the_protocol_limit(engine) -> None:
+    replies = _exchange(engine, LENGTH.pack((1 << 20) + 1), handshake=True)
+    assert len(replies) == 1 and isinstance(replies[0], ErrorMessage), replies
+    assert "frame length 1048577 B exceeds the 1048576 B limit" in replies[0].reason
 
 
 def _landing_rig(engine) -> tuple[torch.Tensor, int]:
@@ -189,11 +197,14 @@ def test_length_prefix_is_big_endian_u32() -> None:
 
 
 def test_close_reaches_a_stream_still_waiting_for_its_hello() -> None:
-    eng = transport.create("tcp", streams=1)
+    # a 60 s handshake timeout: an EOF within 30 s is close's doing, not the timeout's
+    eng = transport.create("tcp", streams=1, connect_timeout=60.0)
     addr = eng.address()
-    with socket.create_connection((addr["host"], addr["port"]), timeout=10) as sock:
-        time.sleep(0.1)  # accepted, now blocked waiting for hello
-        t0 = time.monotonic()
+    with socket.create_connection((addr["host"], addr["port"]), timeout=30) as sock:
+        sock.sendall(LENGTH.pack(10))  # part of a hello: the stream is blocked reading the rest
+        deadline = time.monotonic() + 30
+        while eng._listener.pending == 0:  # accepted and counted as pending: state, not a nap
+            assert time.monotonic() < deadline, "the listener never accepted the connection"
+            threading.Event().wait(0.01)
         eng.close()
-        assert time.monotonic() - t0 < 3
         assert sock.recv(1) == b""  # the engine hung up instead of waiting out the handshake

@@ -1,0 +1,89 @@
+"""close() joins every thread it started, and a process that used engines exits 0.
+
+Issue #9 item 13: a script that made two engines, moved a table and closed
+them could die at interpreter exit with `terminate called without an active
+exception` (SIGABRT) — a thread of ours still running native code while the
+runtime tore down. The in-process test pins the cause (no thread an engine
+started outlives its close); the subprocess test pins the symptom.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from pdxfer.transport.handles import Handle
+
+from pdxfer import transport
+
+SCRIPT = pathlib.Path(__file__).with_name("exit_script.py")
+
+
+@pytest.mark.parametrize("backend", transport.available())
+def test_close_joins_every_thread_it_started(backend: str) -> None:
+    before = set(threading.enumerate())
+    a, b = transport.create(backend), transport.create(backend)
+    nbytes = 32 << 20  # over loopback's PARALLEL_MIN in 64 rows: its copy helpers run
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    local, remote = a.register(src), b.register(dst)
+    step = nbytes // 64
+    table = np.stack([np.arange(64) * step, np.arange(64) * step, np.full(64, step)], 1)
+    a.connect(b.address()).write(local, remote.descriptor(), table.astype(np.int64)).wait(60)
+    assert bool(dst.all())
+    a.close()
+    b.close()
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert left == [], f"threads still running after close(): {left}"
+
+
+@pytest.mark.parametrize("backend", ["loopback", "tcp"])
+def test_engines_then_exit_returns_0_every_time(backend: str) -> None:
+    # once in a fresh interpreter, then 10 forked children (20 exits over both backends):
+    # every exit code must be 0, never 134 / -6 (SIGABRT)
+    fresh = subprocess.run([sys.executable, str(SCRIPT), backend, "16"],
+                           capture_output=True, text=True, timeout=100)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    forked = subprocess.run([sys.executable, str(SCRIPT), backend, "16", "10"],
+                            capture_output=True, text=True, timeout=100)
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    codes = json.loads(forked.stdout.strip().splitlines()[-1])
+    assert codes == [0] * 10, (codes, forked.stderr[-3000:])
+
+
+def test_loopback_close_waits_for_a_busy_worker(monkeypatch) -> None:
+    # The worker is held after its copy (in completing the handle, outside every lock), so
+    # sever() has nothing to wait for: only close()'s join keeps close from returning
+    # while a thread of ours still runs. A broken close returns within the 2 s given.
+    entered, opened = threading.Event(), threading.Event()
+    complete = Handle.complete
+
+    def held(self: Handle) -> bool:
+        if threading.current_thread().name.startswith("loopback ") and not entered.is_set():
+            entered.set()
+            opened.wait(30)
+        return complete(self)
+
+    monkeypatch.setattr(Handle, "complete", held)
+    a, b = transport.create("loopback"), transport.create("loopback")
+    try:
+        local = a.register(torch.ones(4096, dtype=torch.uint8))
+        remote = b.register(torch.zeros(4096, dtype=torch.uint8))
+        a.connect(b.address()).write(local, remote.descriptor(), np.array([[0, 0, 4096]], np.int64))
+        assert entered.wait(30)
+        closer = threading.Thread(target=a.close)
+        closer.start()
+        closer.join(2.0)
+        returned_early = not closer.is_alive()
+        opened.set()
+        closer.join(30)
+        assert not returned_early, "close() returned while its link worker was still running"
+    finally:
+        opened.set()
+        a.close()
+        b.close()
