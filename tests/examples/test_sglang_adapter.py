@@ -21,12 +21,14 @@ import pytest
 import torch
 from sglang_kit import checksum, seeded_pools
 
+from examples.serving import cross_process
 from examples.sglang_adapter import PAGE_SIZE, KVManager, KVReceiver
 from pdxfer import EngineConfig, KVPoll, RequestFailed, transport
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-CROSS = [b for b in transport.available() if b != "loopback"]
+# Backends that connect two processes (asked of each, not a list of names to drift).
+CROSS = [b for b in transport.available() if cross_process(b)]
 
 
 class Prefill:
