@@ -18,6 +18,7 @@ and ship one transfer per pool per request, planned by `layout`.
 """
 
 from .config import EngineConfig, KVPoll, RequestStats
+from .requests import RequestOutcome
 from .decode import DecodeEngine
 from .errors import (
     BoundsError,
@@ -34,6 +35,7 @@ from .errors import (
     RequestFailed,
     TransferTimeout,
     TransportError,
+    UnknownRequestError,
 )
 from .prefill import PrefillEngine
 
@@ -54,7 +56,9 @@ __all__ = [
     "RegistrationError",
     "RequestError",
     "RequestFailed",
+    "RequestOutcome",
     "RequestStats",
     "TransferTimeout",
     "TransportError",
+    "UnknownRequestError",
 ]

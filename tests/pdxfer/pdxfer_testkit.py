@@ -154,3 +154,28 @@ def runs(src: np.ndarray, dst: np.ndarray) -> int:
     if s.size == 0:
         return 0
     return 1 + int(np.count_nonzero(~((s[1:] == s[:-1] + 1) & (d[1:] == d[:-1] + 1))))
+
+
+def until(predicate, what: str, limit: float = 20.0) -> None:
+    """Wait for a state change another thread makes, polling it (not a timed sleep).
+
+    The limit is a safety net for a broken engine, far above any contract
+    bound, so CPU load cannot make it fire on a working one.
+    """
+    import time
+
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened within {limit} s: {what}")
+        time.sleep(0.001)
+
+
+def poll_or_none(engine, rid: str):
+    """`engine.poll(rid)`, or None while the engine does not know the id yet."""
+    from pdxfer import UnknownRequestError
+
+    try:
+        return engine.poll(rid)
+    except UnknownRequestError:
+        return None

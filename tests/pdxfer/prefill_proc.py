@@ -6,6 +6,7 @@ Then one command per line:
 
     send <rid> <kv indices, comma-separated> <state indices, comma-separated or ->
     wait <rid>        -> prints `OK <rid>` or `FAIL <rid> <reason>`
+    until <rid> <state> -> prints `AT <rid> <state>` once poll(rid) reaches it (polled, bounded)
     quit
 
 Every reply is one flushed line, so the test can step it in lock-step.
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from pdxfer_testkit import BIG_KV_FIELDS, build_pools
 
-from pdxfer import EngineConfig, PrefillEngine, RequestFailed
+from pdxfer import EngineConfig, KVPoll, PrefillEngine, RequestFailed, UnknownRequestError
 
 
 def _indices(text: str) -> list[int]:
@@ -50,6 +52,17 @@ def main() -> int:
                 print(f"OK {words[1]}", flush=True)
             except RequestFailed as exc:
                 print(f"FAIL {words[1]} {exc.reason}", flush=True)
+        elif words[0] == "until":
+            rid, want = words[1], KVPoll[words[2]]
+            until = time.monotonic() + 30.0
+            while time.monotonic() < until:
+                try:
+                    if engine.poll(rid) >= want:
+                        break
+                except UnknownRequestError:
+                    pass
+                time.sleep(0.001)
+            print(f"AT {rid} {engine.poll(rid).name}", flush=True)
         elif words[0] == "quit":
             break
     engine.close()
