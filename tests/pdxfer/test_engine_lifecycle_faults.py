@@ -38,6 +38,8 @@ def test_send_after_a_last_chunk_posted_at_once_is_refused(pair) -> None:
     until(lambda: _poll(prefill, "r") is KVPoll.WaitingForInput, "the prefill sees the Expect")
     prefill.send("r", {"kv": [3, 4]}, last=True)  # posted directly, not queued
     with pytest.raises(RequestError, match="already sent its last chunk"):
+        prefill.send("r", {}, last=True)  # moves nothing: only the state machine can refuse it
+    with pytest.raises(RequestError, match="already sent its last chunk"):
         prefill.send("r", {"kv": [5, 6]}, last=True)
     assert decode.wait("r", WAIT) is KVPoll.Success
     assert prefill.wait("r", WAIT) is KVPoll.Success

@@ -2,10 +2,12 @@
 
 Cross-process backends only (`cross_backend`: tcp, nixl).
 
-1. One stalled decode must not freeze the prefill: the prefill's `send()`
-   to it returns at once (no connect or region lookup on the caller's
-   thread), another decode's requests all succeed meanwhile, and the stalled
-   decode's request fails within `timeout + abort_grace` (+ scheduling slack).
+1. One stalled decode must not freeze the prefill: after a transfer to it
+   was cut (so the data connection must be reopened) the prefill's `send()`
+   to it returns at once — no connect, handshake or region lookup on the
+   caller's thread or under the lock — another decode's requests all
+   succeed meanwhile, and the stalled decode's requests fail within
+   `timeout + abort_grace` (+ scheduling slack).
 2. A prefill that the decode fenced while it was stopped serves the next
    request once it resumes (no write into the fenced connection).
 """
@@ -38,18 +40,28 @@ def test_a_stalled_decode_fails_only_its_own_requests_and_never_blocks_the_prefi
         stalled.expect("s-warm", addr, list(range(4)), [])
         prefill.send("s-warm", {"kv": list(range(4))})
         assert stalled.wait("s-warm") == "OK s-warm"
-        stalled.expect("s-stuck", addr, list(range(10, 14)), [1])
-        until(lambda: poll_or_none(prefill, "s-stuck") is KVPoll.WaitingForInput, "Expect seen")
+        stalled.expect("s-cut", addr, list(range(10, 14)), [])
+        stalled.expect("s-stuck", addr, list(range(20, 24)), [1])
+        for rid in ("s-cut", "s-stuck"):
+            until(lambda rid=rid: poll_or_none(prefill, rid) is KVPoll.WaitingForInput, "Expect seen")
         stalled.freeze()
         t0 = time.monotonic()
-        prefill.send("s-stuck", {"kv": list(range(20, 24)), "state": [1]})  # first write to its state region
+        prefill.send("s-cut", {"kv": list(range(4))})  # never confirmed by the stopped process
         took = time.monotonic() - t0
+        prefill.abort("s-cut")  # past the grace its transfer is cut: the connection must reopen
+        with pytest.raises(RequestFailed, match="aborted by prefill"):
+            prefill.wait("s-cut", WAIT)
+        t1 = time.monotonic()
+        prefill.send("s-stuck", {"kv": list(range(20, 24)), "state": [1]})  # and a cold region
+        took = max(took, time.monotonic() - t1)
         for i in range(8):
             healthy.expect(f"h{i}", addr, {"kv": [8 * i, 8 * i + 1], "state": [i]})
             t1 = time.monotonic()
             prefill.send(f"h{i}", {"kv": [i, i + 1], "state": [i]})
             took = max(took, time.monotonic() - t1)
-        assert prefill.poll("s-stuck") in (KVPoll.Transferring, KVPoll.Failed)
+        t2 = time.monotonic()
+        assert prefill.poll("s-stuck") is not KVPoll.Success  # queued until the link reopens, or failed
+        took = max(took, time.monotonic() - t2)
         for i in range(8):
             assert healthy.wait(f"h{i}", WAIT) is KVPoll.Success, healthy.failure_reason(f"h{i}")
             assert prefill.wait(f"h{i}", WAIT) is KVPoll.Success
