@@ -18,7 +18,6 @@ and ship one transfer per pool per request, planned by `layout`.
 """
 
 from .config import EngineConfig, KVPoll, RequestStats
-from .requests import RequestOutcome
 from .decode import DecodeEngine
 from .errors import (
     BoundsError,
@@ -38,6 +37,7 @@ from .errors import (
     UnknownRequestError,
 )
 from .prefill import PrefillEngine
+from .requests import RequestOutcome
 
 __all__ = [
     "BoundsError",

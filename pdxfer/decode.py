@@ -30,9 +30,10 @@ from pdxfer.transport.errors import CapabilityError, PeerLostError, ProtocolErro
 
 from .config import EngineConfig
 from .engine import Engine
+from .handshake import welcome_mismatch
 from .inbound import DecodeRequest, PrefillPeer, expect_message
 from .lifecycle import DecodeLife, DPhase, Fence, Finish, Send, Timing
-from .pools import layout_error, mismatch
+from .pools import layout_error
 from .protocol import Abort, AbortAck, Fenced, Hello, Ping, Refuse, Welcome, decode_notify
 from .requests import check_request_id
 from .session import Link, parse_address
@@ -189,11 +190,10 @@ class DecodeEngine(Engine):
 
     def _on_welcome(self, session: PrefillPeer, msg: Welcome) -> None:
         assert session.link is not None
-        pools = self._pools
         try:
-            reason = mismatch((msg.pools, msg.fingerprints), (pools.descs, pools.fingerprints))
-        except (AttributeError, TypeError, KeyError) as exc:
-            return session.link.refuse(f"malformed welcome: {exc}")
+            reason = welcome_mismatch(self._pools, msg)
+        except ProtocolError as exc:
+            return session.link.refuse(str(exc))
         if reason is not None:
             session.refusal = ("layout", reason)
             return session.link.close(f"layout mismatch with prefill at {session.addr}")

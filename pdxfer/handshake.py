@@ -1,4 +1,10 @@
-"""Opening a prefill's data connection to a decode: once per peer, off every caller's thread.
+"""The per-peer handshake: Hello/Welcome checks, and opening the data connection off-thread.
+
+The control handshake is decided by two pure checks, one per side:
+`hello_routes` (prefill: same transport, same pool layouts, routes for the
+decode's regions — or the `Refusal` to send) and `welcome_mismatch`
+(decode: the same layout check from its side). Then the prefill opens the
+data connection:
 
 Before a decode's requests can be posted, the prefill needs a transport
 connection to it (`transport.connect`: a dial and the backend's own
@@ -30,9 +36,43 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer.transport.errors import TransportError
+from pdxfer.transport.errors import ProtocolError, TransportError
+
+from .pools import PoolSet, Route, mismatch, peer_routes
+from .protocol import Hello, Welcome
 
 _EMPTY = np.empty((0, 3), dtype=np.int64)
+
+
+class Refusal(Exception):
+    """A Hello the prefill refuses; `kind` ("transport" | "layout") and `reason` go in `Refuse`."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+def hello_routes(pools: PoolSet, transport: str, msg: Hello) -> dict[str, Route]:
+    """The decode's routes, or `Refusal` (a mismatch) / `ProtocolError` (a malformed Hello)."""
+    if msg.transport != transport:
+        raise Refusal("transport", (
+            f"decode uses transport {msg.transport!r}, this prefill {transport!r}; "
+            "configure both with the same EngineConfig.transport"))
+    try:
+        reason = mismatch((pools.descs, pools.fingerprints), (msg.pools, msg.fingerprints))
+        if reason is not None:
+            raise Refusal("layout", reason)
+        return peer_routes(pools, msg.pools, msg.buffers, msg.regions)
+    except (AttributeError, TypeError, KeyError) as exc:
+        raise ProtocolError(f"malformed hello: {exc}") from exc
+
+
+def welcome_mismatch(pools: PoolSet, msg: Welcome) -> str | None:
+    """Why the decode refuses the prefill's pools (None: they match), or `ProtocolError`."""
+    try:
+        return mismatch((msg.pools, msg.fingerprints), (pools.descs, pools.fingerprints))
+    except (AttributeError, TypeError, KeyError) as exc:
+        raise ProtocolError(f"malformed welcome: {exc}") from exc
 
 
 class DataLinks:

@@ -30,7 +30,7 @@ from pdxfer.transport.errors import ProtocolError, TransportError
 from .config import EngineConfig, KVPoll, RequestStats
 from .engine import Engine
 from .errors import ClosedError, LayoutError, RequestError
-from .handshake import DataLinks
+from .handshake import DataLinks, Refusal, hello_routes
 from .lifecycle import Cut, Finish, PrefillLife, Send, Timing
 from .outbound import (
     Chunk,
@@ -42,7 +42,6 @@ from .outbound import (
     transfer_error,
     unfinished,
 )
-from .pools import mismatch, peer_routes
 from .protocol import (
     Abort,
     AbortAck,
@@ -275,18 +274,12 @@ class PrefillEngine(Engine):
                 session.link.send(AbortAck(msg.request, msg.xid, True))
 
     def _on_hello(self, link: Link, msg: Hello) -> None:
-        if msg.transport != self.config.transport:
-            return self._refuse(link, "transport", (
-                f"decode uses transport {msg.transport!r}, this prefill {self.config.transport!r}; "
-                "configure both with the same EngineConfig.transport"))
-        pools = self._pools
         try:
-            reason = mismatch((pools.descs, pools.fingerprints), (msg.pools, msg.fingerprints))
-            if reason is not None:
-                return self._refuse(link, "layout", reason)
-            routes = peer_routes(pools, msg.pools, msg.buffers, msg.regions)
-        except (ProtocolError, AttributeError, TypeError, KeyError) as exc:
-            return link.refuse(f"malformed hello: {exc}")
+            routes = hello_routes(self._pools, self.config.transport, msg)
+        except Refusal as exc:
+            return self._refuse(link, exc.kind, exc.reason)
+        except ProtocolError as exc:
+            return link.refuse(str(exc))
         old = self._sessions.get(msg.engine)
         if old is not None:
             old.link.close("replaced by a new control link from the same decode engine")

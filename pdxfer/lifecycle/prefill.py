@@ -1,80 +1,23 @@
-"""Request lifecycles as pure state machines: what a request may do next, and what that costs.
+"""A prefill request's lifecycle: queue chunks until expected, post them in order, finish once.
 
-A request's state used to be a dozen flags (`failing`, `cut`, `ack`,
-`last_sent`, `aborting`, ...) set by a dozen handlers; every fault in the
-control plane was two of them disagreeing. Here each side's request is ONE
-object with ONE phase enum, and every event is a method (`on_send`,
-`on_expect`, `on_landed`, `on_done`, `on_abort`, `on_link_lost`,
-`on_tick` for deadlines, `on_close`) that moves the phase and returns the
-*effects* the driver must carry out: `Post` a chunk, `Send` a control
-message, `Cut` the data connection, `Fence` the peer, `Finish` the request.
+    QUEUED ──expect──► EXPECTED ──send/link ready──► POSTING ──last──► DRAINING ──done──► SUCCEEDED
+      │                   │                             │                 │
+      └──abort/timeout/link lost/post failed────────────┴─────────────────┴──► FAILING ──► FAILED
+                                       (transfers finished, or cut after the grace and closed)
 
-Nothing here touches a socket, a lock, a clock or a transport: time comes in
-as `now`, whether transfers are still reading memory comes in as `inflight`,
-and whether the peer's data link is usable comes in as `ready`. So the whole
-lifecycle is tested by scripted event sequences in microseconds
-(`tests/pdxfer/test_lifecycle.py`), and the drivers (`prefill.py`,
-`decode.py`) only look a record up, call one transition under the table
-lock, and run the effects.
-
-The one rule both machines keep: `Finish` is returned once, and only when no
-byte of the request can still land (decode) or be read (prefill) — a failing
-request with transfers in flight waits for them, or for the `Cut`/`Fence`
-that ends them, before it finishes.
+See `pdxfer.lifecycle` for the rules both sides keep.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
 from typing import Any
 
-from .config import KVPoll
-from .errors import PeerLostError, ProtocolError, RequestError, TransferTimeout
-from .protocol import Abort, AbortAck, Done, Expect
-
-
-# -- effects ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Post:
-    """Plan and post `chunk` on the peer's data connection now (in the order returned)."""
-
-    chunk: Any
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send `msg` on the request's control link (on the progress thread)."""
-
-    msg: Any
-
-
-@dataclass(frozen=True)
-class Cut:
-    """Close the data connection to the request's peer: its transfers stop reading now."""
-
-
-@dataclass(frozen=True)
-class Fence:
-    """`drop_peer` the request's prefill, then report `on_fenced()`: nothing of it lands after."""
-
-
-@dataclass(frozen=True)
-class Finish:
-    """The request is final: Success (`ok`) or Failed with `reason` and `error`."""
-
-    ok: bool
-    reason: str | None = None
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True)
-class Timing:
-    """The two waits a request obeys, from `EngineConfig` (`request_wait`, `grace`)."""
-
-    wait: float  # no progress for this long while waiting for input or confirmation: fail
-    grace: float  # a failing request's transfers get this long before they are cut
+from ..config import KVPoll
+from ..errors import PeerLostError, RequestError, TransferTimeout
+from ..protocol import Abort, AbortAck
+from .effects import Cut, Finish, Post, Send, Timing
 
 
 # -- the prefill side -----------------------------------------------------------------
@@ -297,163 +240,3 @@ class PrefillLife:
         return effects
 
 
-# -- the decode side -------------------------------------------------------------------
-class DPhase(enum.Enum):
-    """A decode request's phase."""
-
-    DIALING = "dialing"  # waiting for the prefill's handshake (Bootstrapping)
-    EXPECTED = "expected"  # Expect sent, nothing landed yet (WaitingForInput)
-    RECEIVING = "receiving"  # some transfers landed (Transferring)
-    ABORTING = "aborting"  # Abort sent; waiting for the AbortAck or the grace
-    FENCING = "fencing"  # drop_peer is running; finishes in on_fenced
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-
-
-_D_POLL = {DPhase.DIALING: KVPoll.Bootstrapping, DPhase.EXPECTED: KVPoll.WaitingForInput,
-           DPhase.RECEIVING: KVPoll.Transferring, DPhase.SUCCEEDED: KVPoll.Success,
-           DPhase.FAILED: KVPoll.Failed}
-
-
-class DecodeLife:
-    """One request on the decode: announce it, count the parts that land, finish once."""
-
-    __slots__ = ("aborting", "complete", "deadline", "expect", "fence_why", "id", "last_chunk",
-                 "landed", "parts", "phase", "seen", "timing", "told", "xid")
-
-    def __init__(self, rid: str, xid: int, expect: Expect, timing: Timing, now: float) -> None:
-        self.id, self.xid, self.expect, self.timing = rid, xid, expect, timing
-        self.phase = DPhase.DIALING
-        self.deadline = now + timing.wait
-        self.parts: dict[int, int] = {}  # chunk -> transfers it has
-        self.landed: dict[int, int] = {}  # chunk -> transfers landed
-        self.complete = 0  # chunks with every part landed
-        self.last_chunk: int | None = None
-        self.aborting: tuple[str, BaseException | None] | None = None
-        self.told = False  # a failure before the Expect left was told to the prefill
-        self.fence_why = ""
-        self.seen = KVPoll.Bootstrapping
-
-    @property
-    def finished(self) -> bool:
-        return self.phase in (DPhase.SUCCEEDED, DPhase.FAILED)
-
-    @property
-    def poll(self) -> KVPoll:
-        state = _D_POLL.get(self.phase)
-        if state is not None:
-            self.seen = state if not self.finished else self.seen
-            return state
-        return self.seen
-
-    def on_link_ready(self, now: float) -> list:
-        """The handshake finished: send the Expect, or tell the prefill it was aborted meanwhile."""
-        if self.phase is DPhase.DIALING:
-            self.phase = DPhase.EXPECTED
-            self.deadline = now + self.timing.wait
-            return [Send(self.expect)]
-        if self.phase is DPhase.FAILED and not self.told and self.aborting is not None:
-            self.told = True  # a prefill that already has the send() fails it now, not at a timeout
-            return [Send(Abort(self.id, self.xid, self.aborting[0], False))]
-        return []
-
-    def on_landed(self, chunk: int, part: int, parts: int, last: bool, now: float) -> list:
-        """One transfer's notify: Success once the last chunk and every earlier one are whole."""
-        if self.phase not in (DPhase.EXPECTED, DPhase.RECEIVING):
-            return []  # aborting, fencing or final: late notifies count for nothing
-        expected = self.parts.setdefault(chunk, parts)
-        if expected != parts or not 0 <= part < parts:
-            return self.on_abort(f"prefill sent an inconsistent notify for chunk {chunk} (part "
-                                 f"{part} of {parts}, expected {expected} parts)", now,
-                                 ProtocolError("inconsistent notify"))
-        got = self.landed.get(chunk, 0) + 1
-        self.landed[chunk] = got
-        if got == expected:
-            self.complete += 1
-        if last:
-            self.last_chunk = chunk
-        self.deadline = now + self.timing.wait
-        if self.last_chunk is None or self.complete != self.last_chunk + 1:
-            self.phase = DPhase.RECEIVING
-            return []
-        self.phase = DPhase.SUCCEEDED
-        return [Finish(True), Send(Done(self.id, self.xid))]
-
-    def on_abort(self, reason: str, now: float, error: BaseException | None = None) -> list:
-        """Give up (caller, timeout, bad notify): at once if no byte can come, else ask the prefill."""
-        if self.finished or self.phase in (DPhase.ABORTING, DPhase.FENCING):
-            return []
-        self.aborting = (reason, error)
-        if self.phase is DPhase.DIALING:
-            self.phase = DPhase.FAILED
-            return [Finish(False, reason, error)]
-        self.phase = DPhase.ABORTING
-        self.deadline = now + self.timing.grace
-        return [Send(Abort(self.id, self.xid, reason, False))]
-
-    def on_peer_abort(self, reason: str, fence: bool) -> list:
-        """The prefill failed it; `fence`: its bytes may still be in flight."""
-        if self.finished or self.phase is DPhase.FENCING or self.phase is DPhase.DIALING:
-            return []
-        if self.aborting is None:
-            self.aborting = (reason, RequestError(reason))
-        return self._fence(reason) if fence else self._final(None)
-
-    def on_abort_ack(self, clean: bool) -> list:
-        """The prefill's answer to our Abort: finished cleanly, or cut (then fence)."""
-        if self.phase is not DPhase.ABORTING:
-            return []
-        return self._final(None) if clean else self._fence("the prefill cut its transfers; fenced it")
-
-    def on_link_lost(self, reason: str, error: BaseException) -> list:
-        """The control link died: before the Expect nothing can land; after it, fence."""
-        if self.finished or self.phase is DPhase.FENCING:
-            return []
-        if self.aborting is None:
-            self.aborting = (reason, error)
-        if self.phase is DPhase.DIALING:
-            self.phase = DPhase.FAILED
-            return [Finish(False, reason, error)]
-        return self._fence(reason)
-
-    def on_tick(self, now: float) -> list:
-        """No progress within the wait: abort; no AbortAck within the grace: fence."""
-        if self.deadline > now:
-            return []
-        if self.phase is DPhase.ABORTING:
-            return self._fence(f"prefill did not confirm the abort within {self.timing.grace} s; fenced it")
-        if self.phase in (DPhase.DIALING, DPhase.EXPECTED, DPhase.RECEIVING):
-            msg = (f"request {self.id!r} timed out: no progress for {self.timing.wait} s while "
-                   f"{self.poll.name}")
-            return self.on_abort(msg, now, TransferTimeout(msg))
-        return []
-
-    def on_fenced(self) -> list:
-        """drop_peer returned: no byte of this request can land any more."""
-        if self.phase is not DPhase.FENCING:
-            return []
-        return self._final(self.fence_why)
-
-    def on_close(self, reason: str, error: BaseException) -> list:
-        """The engine is closing: tell the prefill if it knows the request; Failed."""
-        if self.finished:
-            return []
-        told = self.phase in (DPhase.EXPECTED, DPhase.RECEIVING)
-        self.phase = DPhase.FAILED
-        effects: list = [Finish(False, reason, error)]
-        if told:
-            effects.append(Send(Abort(self.id, self.xid, reason, False)))
-        return effects
-
-    def _fence(self, why: str) -> list:
-        self.poll  # noqa: B018 — keep the running state visible while fencing
-        self.phase = DPhase.FENCING
-        self.fence_why = why
-        return [Fence()]
-
-    def _final(self, why: str | None) -> list:
-        reason, error = self.aborting or ("failed", None)
-        if why and why != reason:
-            reason = f"{reason} ({why})"
-        self.phase = DPhase.FAILED
-        return [Finish(False, reason, error)]
