@@ -149,10 +149,11 @@ class Engine:
         for link in list(links):
             if link.closed:
                 continue
-            if link.stuck_since is not None and now - link.stuck_since > cfg.timeout:
-                out.append((link, f"{link.label} has not read our control messages for "
-                                  f"{now - link.stuck_since:.1f} s ({link.backlog} B queued; "
-                                  f"timeout {cfg.timeout} s)"))
+            if link.stuck_since is not None:  # we stopped reading it: not its silence
+                if now - link.stuck_since > cfg.timeout:
+                    out.append((link, f"{link.label} has not read our control messages for "
+                                      f"{now - link.stuck_since:.1f} s ({link.backlog} B queued; "
+                                      f"timeout {cfg.timeout} s)"))
             elif now - link.last_rx > cfg.timeout:  # also a peer that never says hello
                 out.append((link, f"{link.label} silent for {now - link.last_rx:.1f} s "
                                   f"(timeout {cfg.timeout} s)"))
