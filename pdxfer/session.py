@@ -177,8 +177,8 @@ class Link:
                 self.stuck_since = time.monotonic()
                 log.warning("pdxfer: %s is not reading (%d B queued); its input is paused",
                             self.label, len(self._out))
-        elif self.stuck_since is not None:
-            self.stuck_since = None
+        elif self.stuck_since is not None and len(self._out) <= MAX_BACKLOG // 2:
+            self.stuck_since = None  # hysteresis: resume once half the bound drained
             self._parse()  # input held back while stuck
 
     # -- receiving --------------------------------------------------------

@@ -28,6 +28,9 @@ def test_a_peer_that_never_reads_is_paused_then_closed(backend, monkeypatch, cap
     src = build_pools(64, 16, seed=1)
     with (PrefillEngine(src, cfg) as prefill, DecodeEngine(build_pools(64, 16), cfg) as mute,
           DecodeEngine(build_pools(64, 16), cfg) as decode):
+        # Built before connecting: packing takes long enough under load to look like silence.
+        flood = memoryview(b"".join(CONTROL.pack(Expect(f"x{i}", i + 1, {"nope": b""}))
+                                    for i in range(60000)))
         host, port = prefill.bootstrap_address.rsplit(":", 1)
         raw = socket.create_connection((host, int(port)))
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -40,8 +43,6 @@ def test_a_peer_that_never_reads_is_paused_then_closed(backend, monkeypatch, cap
         until(welcomed, "the prefill welcomes the raw peer")
         link = next(lk for lk in list(prefill._links) if lk.owner is not None)
         link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        flood = memoryview(b"".join(CONTROL.pack(Expect(f"x{i}", i + 1, {"nope": b""}))
-                                    for i in range(60000)))
         raw.setblocking(False)
         sent = 0
 
