@@ -26,14 +26,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from pdxfer.transport.errors import CapabilityError, PeerLostError, ProtocolError
+from pdxfer.transport.errors import PeerLostError, ProtocolError
 
 from .config import EngineConfig
 from .engine import Engine
-from .handshake import welcome_mismatch
+from .handshake import welcome_mismatch, why_lost
 from .inbound import DecodeRequest, PrefillPeer, expect_message
 from .lifecycle import DecodeLife, DPhase, Fence, Finish, Send, Timing
-from .pools import layout_error
 from .protocol import Abort, AbortAck, Fenced, Hello, Ping, Refuse, Welcome, decode_notify
 from .requests import check_request_id
 from .session import Link, parse_address
@@ -212,16 +211,7 @@ class DecodeEngine(Engine):
             return  # close() fails the requests itself, after the transport is down
         if self._sessions.get(session.addr) is session:
             del self._sessions[session.addr]  # the next request dials afresh
-        error: BaseException
-        if session.refusal is not None and session.refusal[0] == "layout":
-            error = layout_error(session.refusal[1])
-            reason = str(error)
-        elif session.refusal is not None:
-            error = CapabilityError(session.refusal[1])
-            reason = f"prefill at {session.addr} refused: {session.refusal[1]}"
-        else:
-            reason = f"prefill at {session.addr} lost: {reason}"
-            error = PeerLostError(reason)
+        reason, error = why_lost(session.addr, session.refusal, reason)
         with self._lock:
             reqs = session.waiting + [r for rid in session.requests
                                       if isinstance(r := self._table.find(rid), DecodeRequest)

@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer.transport.errors import ProtocolError, TransportError
+from pdxfer.transport.errors import CapabilityError, PeerLostError, ProtocolError, TransportError
 
-from .pools import PoolSet, Route, mismatch, peer_routes
+from .pools import PoolSet, Route, layout_error, mismatch, peer_routes
 from .protocol import Hello, Welcome
 
 _EMPTY = np.empty((0, 3), dtype=np.int64)
@@ -73,6 +73,17 @@ def welcome_mismatch(pools: PoolSet, msg: Welcome) -> str | None:
         return mismatch((msg.pools, msg.fingerprints), (pools.descs, pools.fingerprints))
     except (AttributeError, TypeError, KeyError) as exc:
         raise ProtocolError(f"malformed welcome: {exc}") from exc
+
+
+def why_lost(addr: str, refusal: tuple[str, str] | None, reason: str) -> tuple[str, BaseException]:
+    """What a decode's requests fail with when its link to a prefill closes: a refusal, or a loss."""
+    if refusal is not None and refusal[0] == "layout":
+        error: BaseException = layout_error(refusal[1])
+        return str(error), error
+    if refusal is not None:
+        return f"prefill at {addr} refused: {refusal[1]}", CapabilityError(refusal[1])
+    reason = f"prefill at {addr} lost: {reason}"
+    return reason, PeerLostError(reason)
 
 
 class DataLinks:
