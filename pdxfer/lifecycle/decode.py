@@ -17,7 +17,7 @@ import enum
 from ..config import KVPoll
 from ..errors import ProtocolError, RequestError, TransferTimeout
 from ..protocol import Abort, Done, Expect
-from .effects import Fence, Finish, Send, Timing
+from .effects import Fence, Finish, Send, Timing, visible
 
 
 # -- the decode side -------------------------------------------------------------------
@@ -63,11 +63,8 @@ class DecodeLife:
 
     @property
     def poll(self) -> KVPoll:
-        state = _D_POLL.get(self.phase)
-        if state is not None:
-            self.seen = state if not self.finished else self.seen
-            return state
-        return self.seen
+        """The caller's view (`effects.visible`)."""
+        return visible(_D_POLL, self)
 
     def on_link_ready(self, now: float) -> list:
         """The handshake finished: send the Expect, or tell the prefill it was aborted meanwhile."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import KVPoll
+
 
 # -- effects ------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -51,3 +53,15 @@ class Timing:
     grace: float  # a failing request's transfers get this long before they are cut
 
 
+def visible(table: dict, life: Any) -> KVPoll:
+    """The caller's `KVPoll` for `life.phase`; a transitional phase shows the last running state.
+
+    Failing, aborting and fencing are not states a caller can act on: until
+    the request is final it still reads as where it was.
+    """
+    state = table.get(life.phase)
+    if state is None:
+        return life.seen
+    if not state.finished:
+        life.seen = state
+    return state

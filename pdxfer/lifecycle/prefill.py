@@ -17,7 +17,7 @@ from typing import Any
 from ..config import KVPoll
 from ..errors import PeerLostError, RequestError, TransferTimeout
 from ..protocol import Abort, AbortAck
-from .effects import Cut, Finish, Post, Send, Timing
+from .effects import Cut, Finish, Post, Send, Timing, visible
 
 
 # -- the prefill side -----------------------------------------------------------------
@@ -69,12 +69,8 @@ class PrefillLife:
 
     @property
     def poll(self) -> KVPoll:
-        """The caller's view; a failing request still reports where it was until it finishes."""
-        state = _P_POLL.get(self.phase)
-        if state is not None:
-            self.seen = state if not self.finished else self.seen
-            return state
-        return self.seen
+        """The caller's view (`effects.visible`)."""
+        return visible(_P_POLL, self)
 
     # -- the caller --------------------------------------------------------------------
     def check_send(self, last: bool) -> bool:

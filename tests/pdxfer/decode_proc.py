@@ -12,15 +12,10 @@ line, each answered with one flushed line:
 from __future__ import annotations
 
 import argparse
-import sys
 
-from pdxfer_testkit import BIG_KV_FIELDS, build_pools
+from pdxfer_testkit import BIG_KV_FIELDS, build_pools, csv_indices, serve
 
-from pdxfer import DecodeEngine, EngineConfig, RequestFailed
-
-
-def _indices(text: str) -> list[int]:
-    return [] if text == "-" else [int(v) for v in text.split(",")]
+from pdxfer import DecodeEngine, EngineConfig
 
 
 def main() -> int:
@@ -32,23 +27,13 @@ def main() -> int:
     engine = DecodeEngine(pools, EngineConfig(transport=args.transport, timeout=args.timeout,
                                               abort_grace=0.3))
     print(f"READY {engine.engine_id}", flush=True)
-    for line in sys.stdin:
-        words = line.split()
-        if not words:
-            continue
-        if words[0] == "expect":
-            rid, addr, kv, state = words[1], words[2], _indices(words[3]), _indices(words[4])
-            engine.expect(rid, addr, {"kv": kv, "state": state} if state else {"kv": kv})
-            print(f"EXPECTING {rid}", flush=True)
-        elif words[0] == "wait":
-            try:
-                engine.wait(words[1], 30.0)
-                print(f"OK {words[1]}", flush=True)
-            except RequestFailed as exc:
-                print(f"FAIL {words[1]} {exc.reason}", flush=True)
-        elif words[0] == "quit":
-            break
-    engine.close()
+
+    def expect(rid: str, addr: str, kv: str, state: str) -> str:
+        kv_idx, state_idx = csv_indices(kv), csv_indices(state)
+        engine.expect(rid, addr, {"kv": kv_idx, "state": state_idx} if state_idx else {"kv": kv_idx})
+        return f"EXPECTING {rid}"
+
+    serve(engine, {"expect": expect})
     return 0
 
 

@@ -179,3 +179,35 @@ def poll_or_none(engine, rid: str):
         return engine.poll(rid)
     except UnknownRequestError:
         return None
+
+
+def csv_indices(text: str) -> list[int]:
+    """`"1,2,3"` -> [1, 2, 3]; `"-"` -> [] (the helper processes' index spelling)."""
+    return [] if text == "-" else [int(v) for v in text.split(",")]
+
+
+def serve(engine, handlers: dict) -> None:
+    """The helper processes' command loop: one stdin line in, one flushed line out.
+
+    `wait <rid>` and `quit` are common; `handlers[word](*args)` answers the rest.
+    """
+    import sys
+
+    from pdxfer import RequestFailed
+
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        if words[0] == "quit":
+            break
+        if words[0] == "wait":
+            try:
+                engine.wait(words[1], 30.0)
+                reply = f"OK {words[1]}"
+            except RequestFailed as exc:
+                reply = f"FAIL {words[1]} {exc.reason}"
+        else:
+            reply = handlers[words[0]](*words[1:])
+        print(reply, flush=True)
+    engine.close()

@@ -15,16 +15,11 @@ Every reply is one flushed line, so the test can step it in lock-step.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from pdxfer_testkit import BIG_KV_FIELDS, build_pools
+from pdxfer_testkit import BIG_KV_FIELDS, build_pools, csv_indices, poll_or_none, serve
 
-from pdxfer import EngineConfig, KVPoll, PrefillEngine, RequestFailed, UnknownRequestError
-
-
-def _indices(text: str) -> list[int]:
-    return [] if text == "-" else [int(v) for v in text.split(",")]
+from pdxfer import EngineConfig, KVPoll, PrefillEngine
 
 
 def main() -> int:
@@ -38,34 +33,21 @@ def main() -> int:
     cfg = EngineConfig(transport=args.transport, port=args.port, timeout=args.timeout, abort_grace=0.3)
     engine = PrefillEngine(pools, cfg)
     print(f"READY {engine.bootstrap_address}", flush=True)
-    for line in sys.stdin:
-        words = line.split()
-        if not words:
-            continue
-        if words[0] == "send":
-            rid, kv, state = words[1], _indices(words[2]), _indices(words[3])
-            engine.send(rid, {"kv": kv, "state": state} if state else {"kv": kv})
-            print(f"SENT {rid}", flush=True)
-        elif words[0] == "wait":
-            try:
-                engine.wait(words[1], 30.0)
-                print(f"OK {words[1]}", flush=True)
-            except RequestFailed as exc:
-                print(f"FAIL {words[1]} {exc.reason}", flush=True)
-        elif words[0] == "until":
-            rid, want = words[1], KVPoll[words[2]]
-            until = time.monotonic() + 30.0
-            while time.monotonic() < until:
-                try:
-                    if engine.poll(rid) >= want:
-                        break
-                except UnknownRequestError:
-                    pass
-                time.sleep(0.001)
-            print(f"AT {rid} {engine.poll(rid).name}", flush=True)
-        elif words[0] == "quit":
-            break
-    engine.close()
+
+    def send(rid: str, kv: str, state: str) -> str:
+        kv_idx, state_idx = csv_indices(kv), csv_indices(state)
+        engine.send(rid, {"kv": kv_idx, "state": state_idx} if state_idx else {"kv": kv_idx})
+        return f"SENT {rid}"
+
+    def until(rid: str, state: str) -> str:
+        want, deadline = KVPoll[state], time.monotonic() + 30.0
+        now = poll_or_none(engine, rid)
+        while time.monotonic() < deadline and (now is None or now < want and not now.finished):
+            time.sleep(0.001)  # polling a state another thread changes, bounded
+            now = poll_or_none(engine, rid)
+        return f"AT {rid} {engine.poll(rid).name}"
+
+    serve(engine, {"send": send, "until": until})
     return 0
 
 
