@@ -202,7 +202,10 @@ class DecodeEngine(Engine):
         now = time.monotonic()
         with self._lock:
             for req in session.waiting:
-                self._apply(req, req.life.on_link_ready(now))
+                try:  # one request's failure to go out must not stop the others' Expects
+                    self._apply(req, req.life.on_link_ready(now))
+                except Exception as exc:  # noqa: BLE001 — reported on that request, not lost
+                    self._table.finish(req, False, f"expect could not be sent: {exc}", exc)
             session.waiting.clear()
 
     def _link_lost(self, link: Link, reason: str) -> None:

@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from pdxfer import layout
+from pdxfer.transport.errors import ProtocolError
 
 from .errors import RequestError
 from .lifecycle import DecodeLife
 from .pools import PoolSet
-from .protocol import MAX_FRAME, Expect, pack_indices
+from .protocol import CONTROL, MAX_FRAME, Expect, pack_indices
 from .requests import Request
 from .session import Link
 
@@ -76,4 +77,9 @@ def expect_message(pools: PoolSet, rid: str, xid: int, indices: Mapping[str, Any
             f"expect({rid!r}): {count} destination entries exceed the {MAX_INDICES} one "
             "request can name; use larger pages or split the request"
         )
-    return dst, Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()})
+    msg = Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()})
+    try:  # framed once here, so it can never fail later on the link other requests share
+        CONTROL.pack(msg)
+    except (ProtocolError, ValueError, TypeError) as exc:
+        raise RequestError(f"expect({rid!r:.80}): its Expect cannot be framed: {exc}") from exc
+    return dst, msg
