@@ -64,6 +64,19 @@ def test_the_next_request_after_a_fence_succeeds(backend, monkeypatch) -> None:
         monkeypatch.setattr(prefill, "_on_message", deaf)
         link = next(iter(prefill._links))
         link._on_message = deaf
+        # The race the fix is for: the prefill's transport has not yet noticed that the fence
+        # killed its connection (its reader is behind), so the connection still looks alive
+        # until the prefill itself closes it. Only the decode's Fenced message tells it.
+        stale = link.owner.conn
+        real_alive, real_close, closed = type(stale).alive, stale.close, []
+
+        def close_stale():
+            closed.append(True)
+            real_close()
+
+        monkeypatch.setattr(stale, "close", close_stale)
+        monkeypatch.setattr(type(stale), "alive", property(
+            lambda conn: real_alive.fget(conn) or (conn is stale and not closed)))
         decode.expect("doomed", prefill.bootstrap_address, {"kv": [2]})
         until(lambda: _poll(prefill, "doomed") is KVPoll.WaitingForInput, "the prefill sees the Expect")
         decode.abort("doomed")
