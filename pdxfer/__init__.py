@@ -36,9 +36,11 @@ from .errors import (
     RequestFailed,
     TransferTimeout,
     TransportError,
+    UnknownRequestError,
 )
 from .prefill import PrefillEngine
 from .tp_group import HeteroTPDecode, HeteroTPPrefill, group_address, sub_request_id
+from .requests import RequestOutcome
 
 __all__ = [
     "BoundsError",
@@ -59,9 +61,11 @@ __all__ = [
     "RegistrationError",
     "RequestError",
     "RequestFailed",
+    "RequestOutcome",
     "RequestStats",
     "TransferTimeout",
     "TransportError",
     "group_address",
     "sub_request_id",
+    "UnknownRequestError",
 ]

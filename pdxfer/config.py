@@ -44,11 +44,22 @@ class KVPoll(enum.IntEnum):
 class EngineConfig:
     """How an engine reaches its peers and how long it waits for them.
 
-    `timeout` bounds every wait on a peer: a handshake, a request that makes no
-    progress (no expect, no chunk landing), a control link that stays silent.
-    A dead or stalled peer therefore fails its requests within about
-    `timeout + abort_grace` seconds. Serving deployments whose prefill queue
-    can hold a request longer than that raise it; tests lower it.
+    Two different waits, on purpose:
+
+    - `timeout` is the *liveness* timeout: a peer whose control link stays
+      silent this long (heartbeats go every `heartbeat`) is lost, and every
+      request to it fails. A dead or stalled peer therefore fails its
+      requests within about `timeout + abort_grace` seconds, whatever
+      `request_timeout` says.
+    - `request_timeout` (default: `timeout`) is the *per-request* wait: how
+      long a request may make no progress (no Expect for a sent request, no
+      chunk for an expected one, no confirmation of its last chunk) while its
+      peer is alive. A serving deployment whose prefill queue can hold a
+      request for minutes raises it without slowing fault detection.
+
+    `connect_timeout` (default: `timeout`) bounds opening a data connection:
+    the transport's dial and handshake and the first region lookup. Every
+    other wait (close, abort grace) derives from these; see the properties.
 
     Durations must be finite and positive: NaN would silently disable every
     timeout (no comparison with NaN is ever true) and `inf` would make a dead
@@ -67,6 +78,8 @@ class EngineConfig:
     transport_options: Mapping[str, Any] = field(default_factory=dict)
     heartbeat_interval: float | None = None  # None: timeout / 4
     abort_grace: float | None = None  # None: min(1 s, timeout / 2)
+    request_timeout: float | None = None  # None: timeout
+    connect_timeout: float | None = None  # None: timeout
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -83,10 +96,31 @@ class EngineConfig:
         """How long an aborting side waits for the peer's ack before fencing it."""
         return self.abort_grace if self.abort_grace is not None else min(1.0, self.timeout / 2)
 
+    @property
+    def request_wait(self) -> float:
+        """How long a request may make no progress while its peer is alive."""
+        return self.request_timeout if self.request_timeout is not None else self.timeout
+
+    @property
+    def connect_wait(self) -> float:
+        """Bound on opening a data connection (dial, handshake, first region lookup)."""
+        return self.connect_timeout if self.connect_timeout is not None else self.timeout
+
+    @property
+    def bootstrap_wait(self) -> float:
+        """Bound on a peer's whole bootstrap: the control handshake plus the data connection."""
+        return self.timeout + self.connect_wait
+
+    @property
+    def shutdown_wait(self) -> float:
+        """Bound on each step of close(): draining transfers, the progress thread's last turn."""
+        return self.grace + min(self.timeout, self.connect_wait)
+
     def __hash__(self) -> int:  # the mapping proxy is unhashable; hash what identifies the config
         options = tuple(sorted((k, repr(v)) for k, v in self.transport_options.items()))
         return hash((self.transport, self.host, self.port, self.timeout, options,
-                     self.heartbeat_interval, self.abort_grace))
+                     self.heartbeat_interval, self.abort_grace, self.request_timeout,
+                     self.connect_timeout))
 
 
 def _validate(cfg: EngineConfig) -> None:
@@ -98,7 +132,8 @@ def _validate(cfg: EngineConfig) -> None:
     # bool is an int: port=True would bind port 1
     if isinstance(cfg.port, bool) or not isinstance(cfg.port, int) or not 0 <= cfg.port <= 65535:
         raise ConfigError(f"EngineConfig.port must be an int 0..65535, got {cfg.port!r}")
-    for name in ("timeout", "heartbeat_interval", "abort_grace"):
+    for name in ("timeout", "heartbeat_interval", "abort_grace", "request_timeout",
+                 "connect_timeout"):
         value = getattr(cfg, name)
         if value is None and name != "timeout":
             continue

@@ -6,18 +6,21 @@ non-blocking questions about a request (`poll`, `failure_reason`, `stats`) and
 the same blocking one (`wait`). Those live here once; what differs (who
 listens, who dials, who posts, who fences) is in `prefill.py` and `decode.py`.
 
-Lock discipline, the one rule that keeps this deadlock-free: the table's lock
-guards request state and may be held while posting a write or connecting
-(the hot path; both take only the transport's own locks) or while sending on
-a control link (non-blocking), but never while calling a transport method
-that waits for another thread — `drop_peer`, `Connection.close`, `close`.
-Those run with the lock released, because the thread they wait for (a
-loopback copy worker, say) may need *our* lock to deliver a notify before it
-lets such a call return.
+Lock discipline, the one rule that keeps this deadlock-free and keeps one
+peer from slowing the others: the table's lock guards request state and is
+held only for local work — a state-machine transition, planning, and posting
+a write on a data connection that is already open and warmed (a queue
+append; it takes only the transport's own locks). It is never held across a
+network wait (`transport.connect`, a region lookup: those run in
+`handshake.DataLinks` workers) nor while calling a transport method that
+waits for another thread — `drop_peer`, `Connection.close`, `close` — because
+the thread they wait for (a loopback copy worker, say) may need *our* lock to
+deliver a notify before it lets such a call return.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -25,13 +28,13 @@ from typing import Any
 from pdxfer import transport
 
 from .config import EngineConfig, KVPoll, RequestStats
-from .errors import ClosedError, ConfigError, RequestFailed
+from .errors import ClosedError, ConfigError, RequestFailed, UnknownRequestError
 from .pools import PoolSet
 from .progress import Progress
-from .requests import RequestTable, check_request_id
+from .protocol import Ping
+from .requests import RequestOutcome, RequestTable, check_request_id
 
-# How long close() waits for the progress thread to finish its last turn.
-_JOIN_TIMEOUT = 5.0
+log = logging.getLogger("pdxfer")
 
 
 class Engine:
@@ -44,7 +47,9 @@ class Engine:
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.config = config
-        options = {"host": config.host, **config.transport_options}
+        # The transport's own connect wait derives from ours unless the caller set it.
+        options = {"host": config.host, "connect_timeout": config.connect_wait,
+                   **config.transport_options}
         self._transport = transport.create(config.transport, **options)
         self._closed = False
         try:
@@ -84,36 +89,42 @@ class Engine:
         """Bytes, segments and transfers the request moved, and how long it took."""
         return self._table.stats(check_request_id(request_id))
 
+    def outcome(self, request_id: str) -> RequestOutcome:
+        """State, failure reason, failure cause and stats, read together in one snapshot."""
+        return self._table.outcome(check_request_id(request_id))
+
+    def failure_cause(self, request_id: str) -> BaseException | None:
+        """The exception behind a failure (`PeerLostError`, `TransferTimeout`, ...), or None."""
+        return self._table.outcome(check_request_id(request_id)).cause
+
+    def release(self, request_id: str) -> RequestOutcome:
+        """Forget a finished request so its id can be used again; returns its final outcome."""
+        return self._table.release(check_request_id(request_id))
+
     def try_poll(self, request_id: str) -> KVPoll | None:
-        """`poll`, but None (not `RequestError`) when this engine holds no record of the id.
+        """`poll`, but None (not `UnknownRequestError`) when this engine holds no record of the id.
 
         For a scheduler loop that polls a request the other side may not have
         announced yet (a prefill sender before the decode's Expect arrives):
-        "not yet known" is an answer there, not an error to catch and parse.
+        "not yet known" is an answer there, not an error to catch.
         """
-        rid = check_request_id(request_id)
-        with self._lock:
-            req = self._table.find(rid)
-            return None if req is None else req.state
+        try:
+            return self.outcome(request_id).state
+        except UnknownRequestError:
+            return None
 
     def failure(self, request_id: str) -> RequestFailed | None:
         """The request's failure as the `RequestFailed` `wait` raises (cause attached), or None.
 
-        Lets a caller raise or log the failure without blocking in `wait` and
-        without the engine's private cause types: `raise engine.failure(rid)`.
+        Lets a caller raise or log the failure without blocking in `wait`:
+        `raise engine.failure(rid)`.
         """
-        rid = check_request_id(request_id)
-        with self._lock:
-            req = self._table.get(rid)
-            if req.state is not KVPoll.Failed:
-                return None
-            exc = RequestFailed(rid, req.reason or "failed")
-            exc.__cause__ = req.error
-            return exc
-
-    def release(self, request_id: str) -> None:
-        """Forget a finished request so its id can be used again."""
-        self._table.release(check_request_id(request_id))
+        out = self.outcome(request_id)
+        if out.state is not KVPoll.Failed:
+            return None
+        exc = RequestFailed(request_id, out.reason or "failed")
+        exc.__cause__ = out.cause
+        return exc
 
     # -- lifecycle ----------------------------------------------------------
     def _check_open(self) -> None:
@@ -130,11 +141,12 @@ class Engine:
         try:
             self._shutdown()
         finally:
-            self._progress.stop(_JOIN_TIMEOUT)
+            self._progress.stop(self.config.shutdown_wait)
             self._transport.close()
             reason = f"{self.role} engine closed"
-            with self._lock:
+            with self._lock:  # the transport is down: nothing lands or is read any more
                 for req in self._table.running():
+                    req.life.on_close(reason, ClosedError(reason))
                     self._table.finish(req, False, reason, ClosedError(reason))
 
     def _shutdown(self) -> None:
@@ -143,6 +155,36 @@ class Engine:
     def _tick(self, now: float) -> float:
         """Timers; returns seconds until the next wanted tick."""
         return 0.1
+
+    @staticmethod
+    def _close_links(closing: list[tuple[Any, str]]) -> None:
+        """Close links `_watch` gave up on, logging why (a peer never learns it from us)."""
+        for link, why in closing:
+            log.warning("pdxfer: closing %s", why)
+            link.close(why)
+
+    def _watch(self, links: Any, now: float, pinging: Any) -> list[tuple[Any, str]]:
+        """Ping idle links; return the ones to close: silent, or not reading for the liveness timeout.
+
+        Progress thread. A link whose peer stopped reading has stopped reading
+        that peer's input too (backpressure, `session.Link`), so both show up
+        here within `timeout`.
+        """
+        cfg, out = self.config, []
+        for link in list(links):
+            if link.closed:
+                continue
+            if link.stuck_since is not None:  # we stopped reading it: not its silence
+                if now - link.stuck_since > cfg.timeout:
+                    out.append((link, f"{link.label} has not read our control messages for "
+                                      f"{now - link.stuck_since:.1f} s ({link.backlog} B queued; "
+                                      f"timeout {cfg.timeout} s)"))
+            elif now - link.last_rx > cfg.timeout:  # also a peer that never says hello
+                out.append((link, f"{link.label} silent for {now - link.last_rx:.1f} s "
+                                  f"(timeout {cfg.timeout} s)"))
+            elif pinging(link) and now - link.last_tx >= cfg.heartbeat:
+                link.send(Ping())
+        return out
 
     def _run_on_progress(self, fn: Any, timeout: float) -> None:
         """Run `fn()` on the progress thread and wait (bounded) for it to finish."""

@@ -32,6 +32,14 @@ class RequestError(PdxferError):
     """A request-level refusal: unknown id, duplicate id, wrong pools or indices."""
 
 
+class UnknownRequestError(RequestError):
+    """The id names no request here (never submitted, or released): tell it apart without text.
+
+    On a prefill this also means "no decode has expected it yet, and the
+    caller has not sent it": an adapter polling for the Expect catches this.
+    """
+
+
 class RequestFailed(PdxferError):
     """A request ended in failure; `.reason` says why."""
 
@@ -56,4 +64,5 @@ __all__ = [
     "RequestFailed",
     "TransferTimeout",
     "TransportError",
+    "UnknownRequestError",
 ]

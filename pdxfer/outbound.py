@@ -7,14 +7,13 @@ checked whole before anything is posted — so a refusal leaves the request
 as it was — planned pool by pool through the routes built at handshake time,
 and posted one transfer per pool, each with its `Landed` notify.
 
-Also here: the records the prefill keeps (`PrefillRequest`, `DecodePeer`, `Tombstones`),
-since those are what this arithmetic reads and writes.
+Also here: the records the prefill keeps (`PrefillRequest`, `DecodePeer`),
+since those are what this arithmetic reads and writes; what a request may do
+next is its `lifecycle.PrefillLife`'s business, not theirs.
 """
 
 from __future__ import annotations
 
-import collections
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,80 +21,73 @@ import numpy as np
 
 from pdxfer import layout
 from pdxfer.transport.base import Connection
-from pdxfer.transport.errors import ClosedError, PeerLostError, TransferTimeout, TransportError
+from pdxfer.transport.errors import TransportError
 
-from .config import KVPoll
 from .errors import LayoutError, RequestError
+from .lifecycle import PrefillLife
 from .pools import PoolSet, Route
 from .protocol import landed_payload
 from .requests import Request
 from .session import Link
 
-INF = math.inf
 _EMPTY = np.empty((0, 3), dtype=np.int64)
 
 
 class Chunk:
     """One `send()`: source indices per pool, whether it is the last, whether a checkpoint."""
 
-    __slots__ = ("checkpoint", "indices", "last")
+    __slots__ = ("checkpoint", "indices", "last", "parts")
 
     def __init__(self, indices: dict[str, np.ndarray], last: bool, checkpoint: bool) -> None:
         self.indices, self.last, self.checkpoint = indices, last, checkpoint
+        self.parts: list | None = None  # planned at send() when it posts at once
 
 
 class PrefillRequest(Request):
-    """A request as the prefill tracks it: destination cursors, queued chunks, handles."""
+    """A request as the prefill tracks it: the decode's destinations, cursors, posted handles."""
 
-    __slots__ = ("ack", "cursor", "cut", "dst", "fail_by", "failing", "handles", "last_sent",
-                 "local", "next_chunk", "pending", "session")
+    __slots__ = ("cursor", "dst", "handles", "next_chunk", "session")
 
-    def __init__(self, request_id: str, deadline: float) -> None:
-        super().__init__(request_id, 0, deadline)
+    def __init__(self, request_id: str, life: PrefillLife) -> None:
+        super().__init__(request_id, life)
         self.session: DecodePeer | None = None
         self.dst: dict[str, np.ndarray] | None = None  # from the decode's Expect
         self.cursor: dict[str, int] = {}
-        self.pending: list[Chunk] = []  # chunks sent before the Expect arrived
         self.next_chunk = 0
-        self.last_sent = False
         self.handles: list[Any] = []
-        self.local = False  # the local caller has called send() for it
-        self.failing: tuple[str, BaseException | None] | None = None
-        self.fail_by = INF
-        self.ack = False  # decode asked for the abort: answer AbortAck, not Abort
-        self.cut = False  # finished by cutting transfers still in flight
 
 
 class DecodePeer:
-    """One connected decode engine, as this prefill sees it."""
+    """One connected decode engine, as this prefill sees it.
 
-    __slots__ = ("address", "conn", "empty", "engine", "link", "requests", "routes")
+    `conn` is None until the handshake worker (`handshake.DataLinks`) has
+    opened and warmed the data connection, and again from a fence or a cut
+    until it has reopened it; `epoch` names the current attempt.
+    """
 
-    def __init__(self, link: Link, engine: str, address: dict, routes: dict[str, Route],
-                 conn: Any) -> None:
-        self.link, self.engine, self.address, self.routes, self.conn = link, engine, address, routes, conn
+    __slots__ = ("address", "conn", "empty", "engine", "epoch", "link", "opening", "requests",
+                 "routes", "warm", "welcomed")
+
+    def __init__(self, link: Link, engine: str, address: dict, routes: dict[str, Route]) -> None:
+        self.link, self.engine, self.address, self.routes = link, engine, address, routes
+        self.conn: Any = None
+        self.epoch = 0
+        self.opening = False
+        self.welcomed = False
         self.requests: set[str] = set()
         first = next(r.groups[0] for r in routes.values() if r.groups)
         # A chunk with nothing to move still needs its notify: an empty table does that.
         self.empty = (first[0], first[1], _EMPTY)
+        # Every (local region, remote descriptor) pair a post may use: warmed at handshake.
+        seen: dict[Any, tuple[Any, dict]] = {}
+        for route in routes.values():
+            for region, remote, *_ in route.groups:
+                seen.setdefault(id(remote), (region, remote))  # one dict per remote region
+        self.warm = list(seen.values())
 
-
-class Tombstones:
-    """Why recently forgotten requests failed, for a `send()` that comes late. Bounded."""
-
-    LIMIT = 4096
-
-    def __init__(self) -> None:
-        self._reasons: collections.OrderedDict[str, str] = collections.OrderedDict()
-
-    def add(self, rid: str, reason: str) -> None:
-        self._reasons[rid] = reason
-        self._reasons.move_to_end(rid)
-        while len(self._reasons) > self.LIMIT:
-            self._reasons.popitem(last=False)
-
-    def pop(self, rid: str, default: str | None = None) -> str | None:
-        return self._reasons.pop(rid, default)
+    @property
+    def ready(self) -> bool:
+        return self.conn is not None and getattr(self.conn, "alive", True)
 
 
 def unfinished(handles: list[Any]) -> list[Any]:
@@ -184,33 +176,23 @@ def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], l
     total = len(parts)
     for i, (region, remote, table) in enumerate(parts):
         nbytes = int(np.add.reduce(table[:, 2]))  # not .sum(): skips numpy's Python wrapper
-        notify = landed_payload(req.id, req.xid, number, i, total, last, nbytes, len(table))
+        notify = landed_payload(req.id, req.life.xid, number, i, total, last, nbytes, len(table))
         req.handles.append(conn.write(region, remote, table, notify))
         req.nbytes += nbytes
         req.segments += len(table)
         req.transfers += 1
 
 
-def overdue(req: PrefillRequest, now: float, timeout: float) -> tuple[str, BaseException] | None:
-    """Why a running request must fail now — a failed transfer, a passed deadline — or None.
-
-    Also drops the handles once every one completed, so a request waiting for
-    its Done (or its next chunk) holds nothing.
-    """
-    if req.handles:
-        try:
-            running = False
-            for h in req.handles:
-                running = not h.poll() or running
-            if not running:
-                req.handles = []
-        except TransportError as exc:
-            if req.session is not None and isinstance(exc, (PeerLostError, ClosedError)):
-                req.session.conn = None  # dead: the next post reconnects
-            return f"transfer to decode failed: {exc}", exc
-    if req.deadline <= now:
-        what = ("no decode expected it" if req.state is KVPoll.Bootstrapping
-                else "decode did not confirm the data")
-        msg = f"request {req.id!r}: {what} within {timeout} s"
-        return msg, TransferTimeout(msg)
+def transfer_error(req: PrefillRequest) -> TransportError | None:
+    """The first failed transfer's error; drops the handles once every one completed."""
+    if not req.handles:
+        return None
+    try:
+        running = False
+        for h in req.handles:
+            running = not h.poll() or running
+        if not running:
+            req.handles = []
+    except TransportError as exc:
+        return exc
     return None

@@ -15,6 +15,8 @@ The conversation:
     decode  → prefill   Done       every part of every chunk through the last has landed
     either  → other     Abort      request failed/aborted here; `fence` = bytes may still fly
     prefill → decode    AbortAck   the prefill's transfers for it are finished (`clean`) or cut
+    decode  → prefill   Fenced     decode ran drop_peer on the prefill: its data connection is
+                                   dead, reconnect before the next post (version 2)
     either  → other     Ping       liveness while idle
 
 `xid` is a transfer id the decode engine picks per `expect`: a request id may
@@ -40,7 +42,7 @@ import numpy as np
 from pdxfer.transport.errors import ProtocolError
 from pdxfer.transport.wire import LENGTH, Protocol
 
-VERSION = 1
+VERSION = 2  # 2: Fenced
 # A Hello carries every pool's description and every region descriptor; 4 MiB
 # leaves room for hundreds of fields while refusing a garbage length outright.
 MAX_FRAME = 4 << 20
@@ -124,6 +126,18 @@ class AbortAck:
 
 
 @dataclass(frozen=True)
+class Fenced:
+    """Decode fenced this prefill (`drop_peer`): the prefill's cached data connection is dead.
+
+    Sent after `drop_peer` returns, so every Expect sent later reaches the
+    prefill after this: it reopens its data connection before posting them,
+    instead of writing into the fenced one ("Broken pipe").
+    """
+
+    TYPE: ClassVar[str] = "fenced"
+
+
+@dataclass(frozen=True)
 class Ping:
     """Liveness on an idle link; any frame counts, this one says nothing else."""
 
@@ -154,7 +168,7 @@ class Landed:
 CONTROL = Protocol(
     "pdxfer-ctl",
     VERSION,
-    [Hello, Welcome, Refuse, Expect, Done, Abort, AbortAck, Ping, Landed],
+    [Hello, Welcome, Refuse, Expect, Done, Abort, AbortAck, Fenced, Ping, Landed],
     max_frame=MAX_FRAME,
 )
 

@@ -1,4 +1,4 @@
-"""The request state machine and the table every public call reads it from.
+"""The request table every public call reads, and the records it holds.
 
 One `RequestTable` per engine holds every request the engine has not been
 told to forget, under one lock whose condition variable is what `wait()`
@@ -11,36 +11,65 @@ a serving worker relies on:
   `release()`; an unknown id is a `RequestError`, never a silent default.
 - An id in use (running or finished-but-unreleased) cannot be added again.
 
-Role-specific bookkeeping (chunk cursors on prefill, landed parts on decode)
-lives in subclasses of `Request` in `outbound.py`/`decode.py`; this module
-knows only what both sides share.
+What a request may do next is decided by its state machine
+(`lifecycle.PrefillLife`/`DecodeLife`), held in `Request.life`; the table
+only mirrors its caller-visible `KVPoll` and its final outcome, and the
+role-specific bookkeeping (chunk cursors, handles) lives in subclasses of
+`Request` in `outbound.py`/`decode.py`.
+
+Records the local caller never created (a prefill's record made by a
+decode's Expect) are not kept forever once they fail: they become a bounded
+tombstone holding the final `RequestOutcome`, which `poll`, `outcome` and a
+late `send()` still answer from — an aborted request reads as Failed with
+its reason, never as "unknown".
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from .config import KVPoll, RequestStats
-from .errors import RequestError, RequestFailed, TransferTimeout
+from .errors import RequestError, RequestFailed, TransferTimeout, UnknownRequestError
+
+# Ids cross the wire in every control message and notify: a bound keeps one
+# request from making a frame that cannot be sent (and so failing others).
+MAX_ID_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """One consistent snapshot of a request: state, why it failed, its cause, its stats.
+
+    Read together under the table lock, so a caller need not race `release()`
+    between `poll()`, `failure_reason()` and `stats()`; `release()` returns
+    the final one.
+    """
+
+    state: KVPoll
+    reason: str | None
+    cause: BaseException | None
+    stats: RequestStats
 
 
 class Request:
     """What both sides track about one request. Mutated only under the table's lock."""
 
-    __slots__ = ("id", "xid", "state", "reason", "error", "started", "ended",
-                 "deadline", "nbytes", "segments", "transfers", "peer")
+    __slots__ = ("ended", "error", "id", "life", "nbytes", "peer", "reason", "segments",
+                 "started", "state", "transfers")
 
-    def __init__(self, request_id: str, xid: int, deadline: float) -> None:
+    def __init__(self, request_id: str, life: Any) -> None:
         self.id = request_id
-        self.xid = xid
+        self.life = life  # the request's state machine (lifecycle.py)
         self.state = KVPoll.Bootstrapping
         self.reason: str | None = None
         self.error: BaseException | None = None
         self.started = time.monotonic()
         self.ended: float | None = None
-        self.deadline = deadline  # monotonic; pushed forward on progress
         self.nbytes = 0
         self.segments = 0
         self.transfers = 0
@@ -54,12 +83,57 @@ class Request:
         end = self.ended if self.ended is not None else time.monotonic()
         return RequestStats(self.nbytes, self.segments, self.transfers, end - self.started)
 
+    def outcome(self) -> RequestOutcome:
+        return RequestOutcome(self.state, self.reason, self.error, self.stats())
+
 
 def check_request_id(request_id: object) -> str:
-    """The id if it is a non-empty str, else `RequestError` (ids cross the wire as msgpack str)."""
+    """The id if it can cross the wire, else `RequestError` naming the limit.
+
+    Checked at every public entry so a bad id fails its own call, before any
+    message is built: a 5 MiB id or a lone surrogate would otherwise fail
+    while framing a message other requests share.
+    """
     if not isinstance(request_id, str) or not request_id:
-        raise RequestError(f"request ids must be non-empty str, got {request_id!r}")
+        raise RequestError(f"request ids must be non-empty str, got {request_id!r:.80}")
+    if len(request_id) > MAX_ID_BYTES:
+        raise RequestError(
+            f"request id of {len(request_id)} characters exceeds the {MAX_ID_BYTES}-byte limit "
+            "(UTF-8); use a shorter id"
+        )
+    try:
+        size = len(request_id.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            f"request id {request_id!r:.80} is not valid UTF-8 ({exc.reason} at {exc.start}); "
+            "ids cross the wire as msgpack str — use printable text"
+        ) from None
+    if size > MAX_ID_BYTES:
+        raise RequestError(
+            f"request id of {size} UTF-8 bytes exceeds the {MAX_ID_BYTES}-byte limit; use a shorter id"
+        )
     return request_id
+
+
+class Tombstones:
+    """Final outcomes of forgotten records, for a late `send()` or `poll()`. Bounded."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._items: collections.OrderedDict[str, RequestOutcome] = collections.OrderedDict()
+
+    def add(self, rid: str, outcome: RequestOutcome) -> None:
+        self._items[rid] = outcome
+        self._items.move_to_end(rid)
+        while len(self._items) > self.LIMIT:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str) -> RequestOutcome | None:
+        return self._items.get(rid)
+
+    def pop(self, rid: str) -> RequestOutcome | None:
+        return self._items.pop(rid, None)
 
 
 class RequestTable:
@@ -70,6 +144,7 @@ class RequestTable:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self._requests: dict[str, Request] = {}
+        self.tombstones = Tombstones()
 
     # -- lookups (caller holds the lock) -------------------------------------
     def find(self, request_id: str) -> Request | None:
@@ -78,7 +153,7 @@ class RequestTable:
     def get(self, request_id: str) -> Request:
         req = self._requests.get(request_id)
         if req is None:
-            raise RequestError(
+            raise UnknownRequestError(
                 f"unknown request id {request_id!r} on this {self.role} engine: never "
                 "submitted here, or already released"
             )
@@ -119,37 +194,59 @@ class RequestTable:
         self.changed.notify_all()
         return True
 
-    def forget(self, req: Request) -> None:
+    def bury(self, req: Request) -> None:
+        """Forget a finished record the caller never created, keeping its outcome (bounded)."""
         if self._requests.get(req.id) is req:
             del self._requests[req.id]
+            self.tombstones.add(req.id, req.outcome())
 
     # -- the public reads (take the lock themselves) ---------------------------
-    def poll(self, request_id: str) -> KVPoll:
+    def outcome(self, request_id: str) -> RequestOutcome:
+        """The request's snapshot; a buried one answers from its tombstone."""
         with self.lock:
-            return self.get(request_id).state
+            req = self._requests.get(request_id)
+            if req is not None:
+                return req.outcome()
+            tomb = self.tombstones.get(request_id)
+            if tomb is not None:
+                return tomb
+            self.get(request_id)  # raises UnknownRequestError
+            raise AssertionError("unreachable")
+
+    def poll(self, request_id: str) -> KVPoll:
+        return self.outcome(request_id).state
 
     def failure_reason(self, request_id: str) -> str | None:
-        with self.lock:
-            return self.get(request_id).reason
+        return self.outcome(request_id).reason
 
     def stats(self, request_id: str) -> RequestStats:
-        with self.lock:
-            return self.get(request_id).stats()
+        return self.outcome(request_id).stats
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> RequestOutcome:
         with self.lock:
-            req = self.get(request_id)
+            req = self._requests.get(request_id)
+            if req is None:
+                tomb = self.tombstones.pop(request_id)
+                if tomb is not None:
+                    return tomb
+                req = self.get(request_id)
             if not req.finished:
                 raise RequestError(
                     f"request {request_id!r} is still {req.state.name}; abort() it and wait "
                     "for Failed before release()"
                 )
             del self._requests[request_id]
+            return req.outcome()
 
     def wait(self, request_id: str, timeout: float | None) -> KVPoll:
         """Block until the request finishes: Success, `RequestFailed`, or `TransferTimeout`."""
         with self.lock:
-            req = self.get(request_id)
+            req = self._requests.get(request_id)
+            if req is None:
+                tomb = self.tombstones.get(request_id)
+                if tomb is not None:
+                    raise RequestFailed(request_id, tomb.reason or "failed") from tomb.cause
+                req = self.get(request_id)
             if not self.changed.wait_for(lambda: req.finished, timeout):
                 raise TransferTimeout(
                     f"request {request_id!r} still {req.state.name} after {timeout} s; "

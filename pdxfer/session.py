@@ -11,6 +11,15 @@ engine's tick turns those into heartbeats (`Ping`) and into "silent for
 longer than the timeout" — the stall detector that catches a peer whose
 process is alive but stopped (SIGSTOP, a hung host) where EOF never comes.
 
+Output is bounded per link (`MAX_BACKLOG`): a peer that stops reading
+cannot make us buffer without limit. Past the bound the link stops reading
+that peer's input — what it asks of us is what grows our output — and
+records since when it is stuck; the owning engine closes it, with the reason
+logged, once it has been stuck for the liveness timeout (`Engine._watch`).
+Messages the engine itself must send (an Abort, a Done) are still queued
+past the bound, so no request is left without its answer while the peer
+drains.
+
 A link that goes wrong in any way — EOF, reset, a malformed or oversized
 frame, a handshake that does not finish — is closed exactly once, with a
 reason, and the owner's `on_close` decides what that means for its requests.
@@ -24,23 +33,29 @@ on its spelling.
 from __future__ import annotations
 
 import errno
+import logging
 import selectors
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
-from pdxfer.transport.errors import ProtocolError
+from pdxfer.transport.errors import ProtocolError, TransportError
 from pdxfer.transport.wire import LENGTH, ErrorMessage
 
 from .errors import RequestError
 from .progress import Progress
-from .protocol import CONTROL
+from .protocol import CONTROL, MAX_FRAME
+
+log = logging.getLogger("pdxfer")
 
 _READ_CHUNK = 256 * 1024
 # Bytes read per readiness event before yielding to other sockets: one busy
 # peer must not starve the rest of the loop.
 _READ_BUDGET = 4 << 20
+# Bytes queued for a peer past which we stop reading it: a few of the largest
+# frames, so a normal burst (hundreds of Expects) never trips it.
+MAX_BACKLOG = 4 * MAX_FRAME
 
 
 def parse_address(addr: object) -> tuple[str, int]:
@@ -56,6 +71,20 @@ def parse_address(addr: object) -> tuple[str, int]:
 
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen(host: str, port: int, who: str) -> socket.socket:
+    """A non-blocking listening socket (IPv4 or IPv6 by the host's spelling), or `TransportError`."""
+    try:
+        sock = socket.create_server((host, port), backlog=128,
+                                    family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:
+        raise TransportError(
+            f"{who} cannot listen on {format_address(host, port)}: {exc}; "
+            "pick another EngineConfig.port (0 picks a free one)"
+        ) from exc
+    sock.setblocking(False)
+    return sock
 
 
 class Link:
@@ -91,6 +120,7 @@ class Link:
         self.opened = now
         self.last_rx = now
         self.last_tx = now
+        self.stuck_since: float | None = None  # output past MAX_BACKLOG since then
         self._events = 0
         self._update_interest()
 
@@ -133,7 +163,23 @@ class Link:
                 self.close(f"control link to {self.label} failed while sending: {exc}")
                 return
             del self._out[:n]
+        self._note_backlog()
         self._update_interest()
+
+    @property
+    def backlog(self) -> int:
+        """Bytes queued for the peer and not yet taken by the socket."""
+        return len(self._out)
+
+    def _note_backlog(self) -> None:
+        if len(self._out) > MAX_BACKLOG:
+            if self.stuck_since is None:
+                self.stuck_since = time.monotonic()
+                log.warning("pdxfer: %s is not reading (%d B queued); its input is paused",
+                            self.label, len(self._out))
+        elif self.stuck_since is not None and len(self._out) <= MAX_BACKLOG // 2:
+            self.stuck_since = None  # hysteresis: resume once half the bound drained
+            self._parse()  # input held back while stuck
 
     # -- receiving --------------------------------------------------------
     def _on_event(self, mask: int) -> None:
@@ -149,7 +195,7 @@ class Link:
             return
         if mask & selectors.EVENT_WRITE:
             self._flush()
-        if mask & selectors.EVENT_READ and not self.closed:
+        if mask & selectors.EVENT_READ and not self.closed and self.stuck_since is None:
             self._read()
 
     def _read(self) -> None:
@@ -174,7 +220,7 @@ class Link:
 
     def _parse(self) -> None:
         head = LENGTH.size
-        while len(self._in) >= head and not self.closed:
+        while len(self._in) >= head and not self.closed and self.stuck_since is None:
             (length,) = LENGTH.unpack_from(self._in)
             try:
                 CONTROL.check_length(length)
@@ -219,7 +265,7 @@ class Link:
     def _update_interest(self) -> None:
         if self.closed:
             return
-        want = selectors.EVENT_READ
+        want = selectors.EVENT_READ if self.stuck_since is None else 0
         if self.connecting or self._out:
             want |= selectors.EVENT_WRITE
         if self.connecting:

@@ -232,10 +232,12 @@ class LoopbackEngine(TransportEngine):
         port: int = 0,
         streams: int | None = None,
         copy_threads: int | None = None,
+        connect_timeout: float | None = None,
     ) -> None:
-        # host/port/streams are accepted so callers can pass the common options
-        # to any backend; a loopback engine has no socket to apply them to.
-        del host, port, streams
+        # host/port/streams/connect_timeout are accepted so callers can pass the
+        # common options to any backend; a loopback engine has no socket to
+        # apply them to, and its connect never waits.
+        del host, port, streams, connect_timeout
         self.engine_id = f"loopback-{uuid.uuid4().hex[:12]}"
         self._regions = RegionTable(self.name, self.engine_id, cuda=True)
         self._lock = threading.Lock()

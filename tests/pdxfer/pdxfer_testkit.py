@@ -154,3 +154,60 @@ def runs(src: np.ndarray, dst: np.ndarray) -> int:
     if s.size == 0:
         return 0
     return 1 + int(np.count_nonzero(~((s[1:] == s[:-1] + 1) & (d[1:] == d[:-1] + 1))))
+
+
+def until(predicate, what: str, limit: float = 20.0) -> None:
+    """Wait for a state change another thread makes, polling it (not a timed sleep).
+
+    The limit is a safety net for a broken engine, far above any contract
+    bound, so CPU load cannot make it fire on a working one.
+    """
+    import time
+
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened within {limit} s: {what}")
+        time.sleep(0.001)
+
+
+def poll_or_none(engine, rid: str):
+    """`engine.poll(rid)`, or None while the engine does not know the id yet."""
+    from pdxfer import UnknownRequestError
+
+    try:
+        return engine.poll(rid)
+    except UnknownRequestError:
+        return None
+
+
+def csv_indices(text: str) -> list[int]:
+    """`"1,2,3"` -> [1, 2, 3]; `"-"` -> [] (the helper processes' index spelling)."""
+    return [] if text == "-" else [int(v) for v in text.split(",")]
+
+
+def serve(engine, handlers: dict) -> None:
+    """The helper processes' command loop: one stdin line in, one flushed line out.
+
+    `wait <rid>` and `quit` are common; `handlers[word](*args)` answers the rest.
+    """
+    import sys
+
+    from pdxfer import RequestFailed
+
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        if words[0] == "quit":
+            break
+        if words[0] == "wait":
+            try:
+                engine.wait(words[1], 30.0)
+                reply = f"OK {words[1]}"
+            except RequestFailed as exc:
+                reply = f"FAIL {words[1]} {exc.reason}"
+        else:
+            reply = handlers[words[0]](*words[1:])
+        print(reply, flush=True)
+    engine.close()

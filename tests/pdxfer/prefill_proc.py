@@ -6,6 +6,7 @@ Then one command per line:
 
     send <rid> <kv indices, comma-separated> <state indices, comma-separated or ->
     wait <rid>        -> prints `OK <rid>` or `FAIL <rid> <reason>`
+    until <rid> <state> -> prints `AT <rid> <state>` once poll(rid) reaches it (polled, bounded)
     quit
 
 Every reply is one flushed line, so the test can step it in lock-step.
@@ -14,15 +15,11 @@ Every reply is one flushed line, so the test can step it in lock-step.
 from __future__ import annotations
 
 import argparse
-import sys
+import time
 
-from pdxfer_testkit import BIG_KV_FIELDS, build_pools
+from pdxfer_testkit import BIG_KV_FIELDS, build_pools, csv_indices, poll_or_none, serve
 
-from pdxfer import EngineConfig, PrefillEngine, RequestFailed
-
-
-def _indices(text: str) -> list[int]:
-    return [] if text == "-" else [int(v) for v in text.split(",")]
+from pdxfer import EngineConfig, KVPoll, PrefillEngine
 
 
 def main() -> int:
@@ -36,23 +33,21 @@ def main() -> int:
     cfg = EngineConfig(transport=args.transport, port=args.port, timeout=args.timeout, abort_grace=0.3)
     engine = PrefillEngine(pools, cfg)
     print(f"READY {engine.bootstrap_address}", flush=True)
-    for line in sys.stdin:
-        words = line.split()
-        if not words:
-            continue
-        if words[0] == "send":
-            rid, kv, state = words[1], _indices(words[2]), _indices(words[3])
-            engine.send(rid, {"kv": kv, "state": state} if state else {"kv": kv})
-            print(f"SENT {rid}", flush=True)
-        elif words[0] == "wait":
-            try:
-                engine.wait(words[1], 30.0)
-                print(f"OK {words[1]}", flush=True)
-            except RequestFailed as exc:
-                print(f"FAIL {words[1]} {exc.reason}", flush=True)
-        elif words[0] == "quit":
-            break
-    engine.close()
+
+    def send(rid: str, kv: str, state: str) -> str:
+        kv_idx, state_idx = csv_indices(kv), csv_indices(state)
+        engine.send(rid, {"kv": kv_idx, "state": state_idx} if state_idx else {"kv": kv_idx})
+        return f"SENT {rid}"
+
+    def until(rid: str, state: str) -> str:
+        want, deadline = KVPoll[state], time.monotonic() + 30.0
+        now = poll_or_none(engine, rid)
+        while time.monotonic() < deadline and (now is None or now < want and not now.finished):
+            time.sleep(0.001)  # polling a state another thread changes, bounded
+            now = poll_or_none(engine, rid)
+        return f"AT {rid} {engine.poll(rid).name}"
+
+    serve(engine, {"send": send, "until": until})
     return 0
 
 

@@ -41,23 +41,27 @@ def test_public_api_is_pinned() -> None:
         "BoundsError", "CapabilityError", "ClosedError", "ConfigError", "DecodeEngine", "EngineConfig",
         "HeteroTPDecode", "HeteroTPPrefill", "KVPoll",
         "LayoutError", "LayoutMismatchError", "PdxferError", "PeerLostError", "PrefillEngine",
-        "ProtocolError", "RegistrationError", "RequestError", "RequestFailed", "RequestStats",
-        "TransferTimeout", "TransportError", "group_address", "sub_request_id",
+        "ProtocolError", "RegistrationError", "RequestError", "RequestFailed", "RequestOutcome",
+        "RequestStats", "TransferTimeout", "TransportError", "UnknownRequestError",
+        "group_address", "sub_request_id",
     ]
     for name in pdxfer.__all__:
         assert getattr(pdxfer, name) is not None
-    for method in ("send", "poll", "wait", "failure_reason", "abort", "stats", "release", "close"):
+    shared = ("poll", "wait", "failure_reason", "failure_cause", "outcome", "abort", "stats",
+              "release", "close")
+    for method in ("send", *shared):
         assert callable(getattr(PrefillEngine, method))
-    for method in ("expect", "poll", "wait", "failure_reason", "abort", "stats", "release", "close"):
+    for method in ("expect", *shared):
         assert callable(getattr(DecodeEngine, method))
 
 
 def test_every_exported_error_derives_from_the_one_root() -> None:
     errors = [getattr(pdxfer, n) for n in pdxfer.__all__ if n.endswith("Error") or n in (
         "RequestFailed", "TransferTimeout")]
-    assert len(errors) == 14
+    assert len(errors) == 15
     for cls in errors:
         assert issubclass(cls, PdxferError), cls
+    assert issubclass(pdxfer.UnknownRequestError, pdxfer.RequestError)
     # The layout family keeps ValueError (as the entry-arena design does), and so do bounds and config refusals.
     for cls in (pdxfer.LayoutError, pdxfer.BoundsError, ConfigError):
         assert issubclass(cls, ValueError)

@@ -24,6 +24,7 @@ from pdxfer import (
     TransferTimeout,
     layout,
 )
+from pdxfer.protocol import Done
 
 WAIT = 10.0
 
@@ -224,7 +225,13 @@ def test_prefill_fails_a_request_the_decode_never_confirms(backend, monkeypatch)
     src, dst = build_pools(64, 16), build_pools(64, 16)
     cfg = config(backend, timeout=1.0)
     with PrefillEngine(src, cfg) as prefill, DecodeEngine(dst, cfg) as decode:
-        monkeypatch.setattr(decode, "_send_done", lambda *a: None)  # a decode whose Done is lost
+        heard = prefill._on_message  # a decode whose Done is lost on the way
+
+        def deaf(link, msg):
+            if not isinstance(msg, Done):
+                heard(link, msg)
+
+        monkeypatch.setattr(prefill, "_on_message", deaf)
         decode.expect("mute", prefill.bootstrap_address, {"kv": [1]})
         prefill.send("mute", {"kv": [2]})
         assert decode.wait("mute", WAIT) is KVPoll.Success

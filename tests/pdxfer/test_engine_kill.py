@@ -7,14 +7,11 @@ no goodbye — and for a stall to be a process that is alive but silent.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from pdxfer_procs import Prefill
 from pdxfer_testkit import (
     BIG_KV_FIELDS,
     assert_buffers,
@@ -26,42 +23,7 @@ from pdxfer_testkit import (
 
 from pdxfer import DecodeEngine, KVPoll, RequestFailed
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 PAGES = 64
-
-
-class Prefill:
-    """The helper process, stepped one line at a time."""
-
-    def __init__(self, backend: str, port: int = 0, timeout: float = 2.0) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "prefill_proc.py"), "--transport", backend,
-             "--port", str(port), "--timeout", str(timeout)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-        )
-        word, self.address = self.line().split()
-        assert word == "READY"
-
-    def line(self) -> str:
-        out = self.proc.stdout.readline()
-        if not out:
-            raise AssertionError(f"prefill process exited with {self.proc.wait(5)}")
-        return out.strip()
-
-    def send(self, rid: str, kv: list[int], state: list[int]) -> None:
-        self.proc.stdin.write(f"send {rid} {','.join(map(str, kv))} {','.join(map(str, state)) or '-'}\n")
-        self.proc.stdin.flush()
-        assert self.line() == f"SENT {rid}"
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        self.proc.send_signal(sig)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
 
 
 def _until_data_flows(decode: DecodeEngine, rid: str) -> None:
@@ -133,7 +95,7 @@ def test_prefill_frozen_by_sigstop_fails_within_the_bound(cross_backend) -> None
         decode.expect("warm", prefill.address, {"kv": [3]})
         prefill.send("warm", [7], [])  # proves the link is up before the freeze
         assert decode.wait("warm", 10.0) is KVPoll.Success
-        prefill.kill(signal.SIGSTOP)
+        prefill.freeze()
         t0 = time.monotonic()
         with pytest.raises(RequestFailed, match="silent for|timed out"):
             decode.wait("frozen", 10.0)

@@ -1,0 +1,85 @@
+"""What the decode receives into: its records and the checks an `expect()` runs up front.
+
+The counterpart of `outbound.py`: the records the decode keeps
+(`DecodeRequest`, `PrefillPeer`) and the validation that turns an
+`expect()`'s indices into the `Expect` message — every index checked, the
+frame's size bounded — before anything is recorded, so a refused call
+leaves no trace and a message that could not be framed is never queued
+behind other requests. What a request may do next is its
+`lifecycle.DecodeLife`'s business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from pdxfer import layout
+from pdxfer.transport.errors import ProtocolError
+
+from .errors import RequestError
+from .lifecycle import DecodeLife
+from .pools import PoolSet
+from .protocol import CONTROL, MAX_FRAME, Expect, pack_indices
+from .requests import Request
+from .session import Link
+
+# An Expect carries 8 B per index in one control frame; keep well inside its limit.
+MAX_INDICES = (MAX_FRAME - (64 << 10)) // 8
+
+
+class DecodeRequest(Request):
+    """A request as the decode tracks it: its destinations and the prefill serving it."""
+
+    __slots__ = ("dst", "session")
+
+    def __init__(self, request_id: str, life: DecodeLife, dst: dict[str, np.ndarray], addr: str) -> None:
+        super().__init__(request_id, life)
+        self.dst = dst
+        self.peer = addr
+        self.session: PrefillPeer | None = None
+
+
+class PrefillPeer:
+    """One prefill engine as this decode sees it, keyed by its bootstrap address."""
+
+    __slots__ = ("addr", "engine", "link", "ready", "refusal", "requests", "waiting")
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.link: Link | None = None
+        self.engine: str | None = None  # the prefill's transport engine id, from Welcome
+        self.ready = False
+        self.refusal: tuple[str, str] | None = None
+        self.waiting: list[DecodeRequest] = []  # bound before the handshake finished
+        self.requests: set[str] = set()  # Expect sent, not yet finished
+
+
+def expect_message(pools: PoolSet, rid: str, xid: int, indices: Mapping[str, Any]
+                   ) -> tuple[dict[str, np.ndarray], Expect]:
+    """`(destinations per pool, the Expect to send)`, or the refusal naming what was wrong."""
+    if not isinstance(indices, Mapping) or not indices:
+        raise RequestError(f"expect({rid!r}): indices must be a non-empty mapping pool -> indices")
+    dst = {}
+    for pool, idx in indices.items():
+        arena = pools.arenas.get(pool)
+        if arena is None:
+            raise RequestError(
+                f"expect({rid!r}): no pool {pool!r} on this decode; pools: {sorted(pools.arenas)}"
+            )
+        dst[pool] = layout.check_indices(arena, idx, what=f"pool {pool!r} destination index",
+                                         unique=True)
+    count = sum(len(a) for a in dst.values())
+    if count > MAX_INDICES:
+        raise RequestError(
+            f"expect({rid!r}): {count} destination entries exceed the {MAX_INDICES} one "
+            "request can name; use larger pages or split the request"
+        )
+    msg = Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()})
+    try:  # framed once here, so it can never fail later on the link other requests share
+        CONTROL.pack(msg)
+    except (ProtocolError, ValueError, TypeError) as exc:
+        raise RequestError(f"expect({rid!r:.80}): its Expect cannot be framed: {exc}") from exc
+    return dst, msg

@@ -1,0 +1,192 @@
+"""The prefill's peers: accepting decodes, their handshake, and their data connections.
+
+A mixin of `PrefillEngine`, split off so the engine module stays the
+request driver. It owns the per-peer half of the prefill: accepting control
+links, answering a Hello (`handshake.hello_routes`), and keeping each
+decode's data connection open — opened by `handshake.DataLinks` workers
+(the Welcome goes out once it is warm), cut or reopened after a fence, a cut
+or a loss, always with the lost transfers' requests told first
+(`PrefillLife.on_link_cut`) and finished only after the close returned —
+and, at close(), draining and closing all of them.
+
+It reads the engine's `_lock`, `_table`, `_sessions`, `_links`, `_data`,
+`_progress`, `_pools`, `config` and `engine_id`, and calls its `_apply`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pdxfer.transport.errors import ProtocolError, TransportError
+
+from .errors import ClosedError
+from .handshake import Refusal, hello_routes
+from .outbound import DecodePeer, PrefillRequest, unfinished
+from .protocol import Hello, Refuse, Welcome
+from .session import Link, format_address
+
+
+class DecodePeers:
+    """Peer management for `PrefillEngine` (see the module docstring for what it reads)."""
+
+    _lock: Any
+    _table: Any
+    _sessions: dict[str, DecodePeer]
+    _links: set[Link]
+    _data: Any
+    _progress: Any
+    _pools: Any
+    _listener: Any
+    config: Any
+    engine_id: str
+    # ... and calls the engine's `_apply`, `_on_message` and `_run_on_progress` (no stubs here:
+    # this class precedes `Engine` in the MRO, so a stub would shadow the real method).
+
+    # -- data connections (lock held unless said otherwise) --------------------------------
+    def _reopen(self, session: DecodePeer) -> None:
+        """Start reopening a peer's dead or missing data connection (once). Lock held."""
+        if not session.opening and not session.ready and not session.link.closed:
+            self._cut(session, f"data connection to decode {session.engine} lost", fenced=False)
+
+    def _cut(self, session: DecodePeer | None, reason: str, *, fenced: bool, reopen: bool = True) -> None:
+        """Close the peer's data connection (on a worker), failing what was in flight on it; reopen."""
+        if session is None:
+            return
+        now, affected = time.monotonic(), []
+        for rid in list(session.requests):
+            req = self._table.find(rid)
+            if isinstance(req, PrefillRequest) and req.session is session and not req.finished:
+                self._apply(req, req.life.on_link_cut(reason, now, bool(unfinished(req.handles)),
+                                                      fenced=fenced))
+                if req.life.cutting:
+                    affected.append(req)
+        old, session.conn = session.conn, None
+        session.epoch += 1
+        session.opening = reopen and not session.link.closed
+        after = (session, session.epoch, affected)
+        if old is not None:
+            self._data.retire(old, lambda: self._progress.call(self._after_cut, *after))
+        else:
+            self._after_cut(*after, locked=True)
+
+    def _after_cut(self, session: DecodePeer, epoch: int, affected: list, locked: bool = False) -> None:
+        if not locked:
+            with self._lock:
+                return self._after_cut(session, epoch, affected, True)
+        for req in affected:
+            self._apply(req, req.life.on_cut_done(bool(unfinished(req.handles))))
+        if session.opening and epoch == session.epoch:
+            self._data.open(session, epoch)
+
+    def _on_data_ready(self, session: DecodePeer, epoch: int, conn: Any) -> None:
+        with self._lock:
+            if epoch != session.epoch or session.link.closed or self._closed:
+                return
+            session.conn, session.opening = conn, False
+            if not session.welcomed:
+                session.welcomed = True
+                session.link.send(Welcome(self.engine_id, self._pools.descs, self._pools.fingerprints))
+            now = time.monotonic()
+            for rid in list(session.requests):
+                req = self._table.find(rid)
+                if isinstance(req, PrefillRequest) and req.session is session:
+                    self._apply(req, req.life.on_link_ready(now))
+
+    def _on_data_failed(self, session: DecodePeer, epoch: int, exc: BaseException) -> None:
+        reason = (f"prefill cannot reach the decode's {self.config.transport} endpoint "
+                  f"{session.address!r}: {exc}")
+        with self._lock:
+            if epoch != session.epoch or session.link.closed:
+                return
+            session.opening = False
+            if session.welcomed:  # the requests waiting for it fail; the next send retries
+                for rid in list(session.requests):
+                    req = self._table.find(rid)
+                    if isinstance(req, PrefillRequest) and req.session is session:
+                        self._apply(req, req.life.on_post_failed(reason, exc, time.monotonic(), False))
+                return
+        self._refuse(session.link, "transport", reason)
+
+    # -- control links (progress thread) ---------------------------------------------
+    def _on_accept(self, _mask: int) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:  # nothing more to accept now (or a transient failure)
+                return
+            self._links.add(Link(sock, self._progress, f"decode at {format_address(peer[0], peer[1])}",
+                                 self._on_message,
+                                 lambda link, why: self._progress.call(self._link_lost, link, why)))
+
+    def _on_hello(self, link: Link, msg: Hello) -> None:
+        try:
+            routes = hello_routes(self._pools, self.config.transport, msg)
+        except Refusal as exc:
+            return self._refuse(link, exc.kind, exc.reason)
+        except ProtocolError as exc:
+            return link.refuse(str(exc))
+        old = self._sessions.get(msg.engine)
+        if old is not None:
+            old.link.close("replaced by a new control link from the same decode engine")
+        session = DecodePeer(link, msg.engine, msg.address, routes)
+        self._sessions[msg.engine] = link.owner = session
+        link.label = f"decode {msg.engine}"
+        with self._lock:
+            self._reopen(session)  # the Welcome goes out once the data connection is warm
+
+    @staticmethod
+    def _refuse(link: Link, kind: str, reason: str) -> None:
+        link.send(Refuse(kind, reason))
+        link.close(f"refused {link.label}: {reason}")
+
+    def _link_lost(self, link: Link, reason: str) -> None:
+        self._links.discard(link)
+        session: DecodePeer | None = link.owner
+        if session is None:
+            return
+        why = f"decode engine {session.engine} lost: {reason}"
+        now = time.monotonic()
+        with self._lock:
+            if self._sessions.get(session.engine) is session:
+                del self._sessions[session.engine]
+            for rid in list(session.requests):
+                req = self._table.find(rid)
+                if isinstance(req, PrefillRequest) and req.session is session:
+                    self._apply(req, req.life.on_link_lost(why, now, bool(unfinished(req.handles))))
+            self._cut(session, why, fenced=False, reopen=False)
+
+    # -- close ----------------------------------------------------------------
+    def _shutdown(self) -> None:
+        # Let transfers already posted finish (bounded) rather than cutting them.
+        until = time.monotonic() + self.config.grace
+        with self._lock:
+            handles = [h for r in self._table.running() for h in r.handles]
+        for h in handles:
+            try:
+                h.wait(max(0.0, until - time.monotonic()))
+            except TransportError:
+                pass
+        self._run_on_progress(self._shutdown_on_thread, self.config.shutdown_wait)
+        self._data.close(self.config.shutdown_wait)
+
+    def _shutdown_on_thread(self) -> None:
+        with self._lock:
+            closing = [s.conn for s in self._sessions.values() if s.conn is not None]
+            for s in self._sessions.values():
+                s.conn, s.epoch = None, s.epoch + 1
+        for conn in closing:
+            conn.close()
+        reason = "prefill engine closed"
+        with self._lock:
+            for req in self._table.running():
+                self._apply(req, req.life.on_close(reason, ClosedError(reason)))
+        for link in list(self._links):
+            link.close(reason)
+        if self._listener is not None:
+            try:
+                self._progress.selector.unregister(self._listener)
+            except (KeyError, ValueError):
+                pass
+            self._listener.close()

@@ -1,0 +1,106 @@
+"""Prefill and decode engines in their own processes, stepped one stdin line at a time.
+
+The SIGKILL/SIGSTOP tests need the peer to be another process: its death is
+then an OS-level event (sockets reset by the kernel, no goodbye) and a stall
+is a process that is alive but silent. `prefill_proc.py`/`decode_proc.py`
+are the processes; these are the test's handles on them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+class Proc:
+    """A helper process answering one line per command."""
+
+    def __init__(self, script: str, *args: str) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / script), *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        )
+        word, self.address = self.line().split()
+        assert word == "READY"
+
+    def line(self) -> str:
+        out = self.proc.stdout.readline()
+        if not out:
+            raise AssertionError(f"helper process exited with {self.proc.wait(5)}")
+        return out.strip()
+
+    def ask(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.line()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        self.proc.send_signal(sig)
+
+    def freeze(self) -> None:
+        """SIGSTOP, returning once every thread of the process is stopped.
+
+        The signal is asynchronous: a thread woken by a network event may
+        still answer it for a moment after `kill` returns. Reading each
+        thread's state from /proc is the event to synchronise on.
+        """
+        self.kill(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        for _ in range(200000):
+            states = []
+            for task in tasks.iterdir():
+                try:
+                    states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+                except (FileNotFoundError, ProcessLookupError):
+                    continue  # a thread that just ended
+            if states and all(st in ("T", "t") for st in states):
+                return
+            os.sched_yield()
+        raise AssertionError(f"process {self.proc.pid} never stopped")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def _csv(values: list[int]) -> str:
+    return ",".join(map(str, values)) or "-"
+
+
+class Prefill(Proc):
+    """`prefill_proc.py`: `address` is its bootstrap address."""
+
+    def __init__(self, backend: str, port: int = 0, timeout: float = 2.0) -> None:
+        super().__init__("prefill_proc.py", "--transport", backend, "--port", str(port),
+                         "--timeout", str(timeout))
+
+    def send(self, rid: str, kv: list[int], state: list[int]) -> None:
+        assert self.ask(f"send {rid} {_csv(kv)} {_csv(state)}") == f"SENT {rid}"
+
+    def wait(self, rid: str) -> str:
+        return self.ask(f"wait {rid}")
+
+    def until(self, rid: str, state: str) -> str:
+        return self.ask(f"until {rid} {state}")
+
+
+class Decode(Proc):
+    """`decode_proc.py`: `address` is its transport engine id."""
+
+    def __init__(self, backend: str, timeout: float = 2.0) -> None:
+        super().__init__("decode_proc.py", "--transport", backend, "--timeout", str(timeout))
+
+    def expect(self, rid: str, prefill: str, kv: list[int], state: list[int]) -> None:
+        assert self.ask(f"expect {rid} {prefill} {_csv(kv)} {_csv(state)}") == f"EXPECTING {rid}"
+
+    def wait(self, rid: str) -> str:
+        return self.ask(f"wait {rid}")
