@@ -39,8 +39,8 @@ from .errors import (
     UnknownRequestError,
 )
 from .prefill import PrefillEngine
-from .tp_group import HeteroTPDecode, HeteroTPPrefill, group_address, sub_request_id
 from .requests import RequestOutcome
+from .tp_group import HeteroTPDecode, HeteroTPPrefill, group_address, sub_request_id
 
 __all__ = [
     "BoundsError",
@@ -65,7 +65,7 @@ __all__ = [
     "RequestStats",
     "TransferTimeout",
     "TransportError",
+    "UnknownRequestError",
     "group_address",
     "sub_request_id",
-    "UnknownRequestError",
 ]

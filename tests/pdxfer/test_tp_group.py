@@ -57,7 +57,8 @@ def _pools(tp: int, rank: int, values: dict | None) -> dict[str, layout.ShardMaj
 class Ranks:
     """P prefill and D decode engines, each rank with its own shard pools."""
 
-    def __init__(self, backend: str, P: int, D: int, **cfg) -> None:
+    def __init__(self, backend: str, P: int, D: int, decode_cfg: dict | None = None,
+                 **cfg) -> None:
         self.values = _global(seed=P * 10 + D)
         self.src = [_pools(P, p, self.values) for p in range(P)]
         self.dst = [_pools(D, q, None) for q in range(D)]
@@ -67,7 +68,7 @@ class Ranks:
                 eng = PrefillEngine(pools, config(backend, **cfg))
                 self.prefill.append(HeteroTPPrefill(eng, pools))
             for pools in self.dst:
-                eng = DecodeEngine(pools, config(backend, **cfg))
+                eng = DecodeEngine(pools, config(backend, **{**cfg, **(decode_cfg or {})}))
                 self.decode.append(HeteroTPDecode(eng, pools))
         except BaseException:
             self.close()
@@ -198,7 +199,10 @@ def test_an_incompatible_split_is_refused_in_the_handshake_by_name(backend) -> N
 
 def test_a_dead_decode_rank_fails_the_request_on_the_other_decode_rank(backend) -> None:
     """1 -> 2: the prefill rank serves both decode ranks; one dies mid-request."""
-    r = Ranks(backend, 1, 2)
+    # The surviving decode rank's own no-progress wait is long, so only the
+    # prefill's push (its failed pair aborting the sibling) can end its request:
+    # with equal timers the two race, and a loaded machine picks the timeout.
+    r = Ranks(backend, 1, 2, decode_cfg={"request_timeout": 60.0})
     try:
         dst = {"kv": np.array([4, 5]), "state": np.array([3])}
         for g in r.decode:
