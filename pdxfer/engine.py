@@ -179,6 +179,10 @@ class Engine:
                     out.append((link, f"{link.label} has not read our control messages for "
                                       f"{now - link.stuck_since:.1f} s ({link.backlog} B queued; "
                                       f"timeout {cfg.timeout} s)"))
+            elif not link.handshaken and now - link.opened > cfg.connect_wait:
+                # a stranger that trickles bytes is never silent: bound its Hello in time too
+                out.append((link, f"{link.label} sent no Hello within {cfg.connect_wait} s "
+                                  "(connect_timeout)"))
             elif now - link.last_rx > cfg.timeout:  # also a peer that never says hello
                 out.append((link, f"{link.label} silent for {now - link.last_rx:.1f} s "
                                   f"(timeout {cfg.timeout} s)"))

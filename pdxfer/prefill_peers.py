@@ -15,6 +15,7 @@ It reads the engine's `_lock`, `_table`, `_sessions`, `_links`, `_data`,
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -24,7 +25,9 @@ from .errors import ClosedError
 from .handshake import Refusal, hello_routes
 from .outbound import DecodePeer, PrefillRequest, unfinished
 from .protocol import Hello, Refuse, Welcome
-from .session import Link, format_address
+from .session import MAX_PENDING, Link, format_address
+
+log = logging.getLogger("pdxfer")
 
 
 class DecodePeers:
@@ -40,6 +43,7 @@ class DecodePeers:
     _listener: Any
     config: Any
     engine_id: str
+    _refused_pending = 0  # connections closed at accept for MAX_PENDING (log throttle)
     # ... and calls the engine's `_apply`, `_on_message` and `_run_on_progress` (no stubs here:
     # this class precedes `Engine` in the MRO, so a stub would shadow the real method).
 
@@ -116,9 +120,17 @@ class DecodePeers:
                 sock, peer = self._listener.accept()
             except OSError:  # nothing more to accept now (or a transient failure)
                 return
+            if sum(1 for link in self._links if not link.handshaken) >= MAX_PENDING:
+                self._refused_pending += 1
+                if self._refused_pending & (self._refused_pending - 1) == 0:  # 1st, 2nd, 4th, ...
+                    log.warning("pdxfer: %d connections refused at accept: %d are already "
+                                "waiting to say Hello", self._refused_pending, MAX_PENDING)
+                sock.close()
+                continue
             self._links.add(Link(sock, self._progress, f"decode at {format_address(peer[0], peer[1])}",
                                  self._on_message,
-                                 lambda link, why: self._progress.call(self._link_lost, link, why)))
+                                 lambda link, why: self._progress.call(self._link_lost, link, why),
+                                 accepted=True))
 
     def _on_hello(self, link: Link, msg: Hello) -> None:
         try:
@@ -130,6 +142,7 @@ class DecodePeers:
         old = self._sessions.get(msg.engine)
         if old is not None:
             old.link.close("replaced by a new control link from the same decode engine")
+        link.handshaken = True  # its frames may now be as large as the protocol allows
         session = DecodePeer(link, msg.engine, msg.address, routes)
         self._sessions[msg.engine] = link.owner = session
         link.label = f"decode {msg.engine}"

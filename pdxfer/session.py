@@ -26,6 +26,14 @@ reason, and the owner's `on_close` decides what that means for its requests.
 The wire's `ErrorMessage` is sent before hanging up on a peer that spoke
 nonsense, so the other side's log says why.
 
+Input is bounded before the handshake too. A link a listener accepted is
+`handshaken=False` until its owner accepts the peer's Hello: until then its
+frames are capped at `PRE_HANDSHAKE_MAX_FRAME` (not `MAX_FRAME`), so a stranger
+sending length prefixes makes us hold at most that much per connection, and
+the owner caps how many such links it holds (`MAX_PENDING`) and how long each
+may take (`Engine._watch`). A link we dialed is handshaken from the start: we
+chose that peer.
+
 Also here: parsing a bootstrap address (`host:port`), since both sides agree
 on its spelling.
 """
@@ -56,6 +64,14 @@ _READ_BUDGET = 4 << 20
 # Bytes queued for a peer past which we stop reading it: a few of the largest
 # frames, so a normal burst (hundreds of Expects) never trips it.
 MAX_BACKLOG = 4 * MAX_FRAME
+# Largest frame from a peer that has not yet said Hello. A Hello carries the
+# decode's pool descriptions (a few KiB for the example hybrid model: about
+# 2 KiB per pool of a handful of fields); 64 KiB leaves room for models with
+# dozens of fields while keeping what a stranger can make us hold small.
+PRE_HANDSHAKE_MAX_FRAME = 64 * 1024
+# Connections a listener holds that have not completed their Hello; one past
+# this is closed at accept, so a connection storm costs sockets, not memory.
+MAX_PENDING = 64
 
 
 def parse_address(addr: object) -> tuple[str, int]:
@@ -99,6 +115,7 @@ class Link:
         on_close: Callable[[Link, str], None],
         *,
         connecting: bool = False,
+        accepted: bool = False,
     ) -> None:
         sock.setblocking(False)
         try:
@@ -114,6 +131,9 @@ class Link:
         self._in = bytearray()
         self._out = bytearray()
         self.connecting = connecting
+        # A link a listener accepted is a stranger until its owner accepts the
+        # Hello (see the module docstring); one we dialed is not.
+        self.handshaken = not accepted
         self.closed = False
         self.close_reason: str | None = None
         now = time.monotonic()
@@ -223,7 +243,7 @@ class Link:
         while len(self._in) >= head and not self.closed and self.stuck_since is None:
             (length,) = LENGTH.unpack_from(self._in)
             try:
-                CONTROL.check_length(length)
+                CONTROL.check_length(length, None if self.handshaken else PRE_HANDSHAKE_MAX_FRAME)
                 if len(self._in) < head + length:
                     return
                 msg = CONTROL.unpack(bytes(self._in[head:head + length]))
