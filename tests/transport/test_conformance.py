@@ -247,19 +247,35 @@ def test_peer_closed_mid_transfer_fails_with_peer_lost(rig: Rig) -> None:
 
 
 def test_drop_peer_fences_earlier_writes(rig: Rig) -> None:
-    gate, handle, big = _stall(rig)
-    try:
-        rig.rx.drop_peer(rig.tx.engine_id)
-        snapshot = rig.dst.copy()
-    finally:
-        gate.release()
+    # The receiver is held inside the notify handler of a first transfer while
+    # a 4 MiB one is posted behind it, then fences from that handler: a fence
+    # waits for a running handler (it may not deliver past it), so fencing from
+    # any other thread would wait for the very stall that keeps `big` in flight.
+    big = np.array([[0, 4 << 20, 4 << 20]], np.int64)
+    big_posted, fenced, after_fence = threading.Event(), threading.Event(), {}
+
+    def stall_then_fence(sender: str, payload: bytes) -> None:
+        if payload == b"stall":
+            assert big_posted.wait(WAIT)
+            rig.rx.drop_peer(sender)
+            after_fence["dst"] = rig.dst.copy()
+            fenced.set()
+        else:
+            rig.notes.append((sender, payload))
+
+    rig.on_notify = stall_then_fence
+    rig.conn.write(rig.src_region, rig.remote, _good(), notify=b"stall")
+    handle = rig.conn.write(rig.src_region, rig.remote, big, notify=b"big")
+    big_posted.set()
     with pytest.raises(PeerLostError):
         handle.wait(WAIT)
     # test_fence.py proves the fence with a step held inside the receiving path;
-    # here the later bytes simply must not have changed anything by now.
-    assert np.array_equal(rig.dst, snapshot), "bytes landed after drop_peer returned"
+    # here the later bytes simply must not have changed anything since it returned.
+    assert fenced.wait(WAIT), "the handler never ran its fence"
+    assert np.array_equal(rig.dst, after_fence["dst"]), "bytes landed after drop_peer returned"
     assert b"big" not in [p for _, p in rig.notes]
     # The dropped peer may connect again.
+    rig.on_notify = None
     rig.refill()
     conn = rig.tx.connect(rig.rx.address())
     conn.write(rig.src_region, rig.remote, big).wait(WAIT)
@@ -285,15 +301,21 @@ def test_drop_peer_from_inside_the_notify_handler_does_not_deadlock(rig: Rig) ->
 
 def test_close_during_transfer_fails_in_flight_with_closed_error(rig: Rig) -> None:
     gate, handle, _ = _stall(rig)
+    # close() may wait (bounded) for a worker that is running the receiver's
+    # handler (loopback runs it on the sender's thread): close from a thread,
+    # see the in-flight transfer fail, then let the handler go.
+    closer = threading.Thread(target=rig.conn.close)
+    closer.start()
     try:
-        rig.conn.close()
         with pytest.raises(ClosedError):
-            handle.wait(5)
-        rig.conn.close()  # idempotent
-        with pytest.raises((ClosedError, PeerLostError)):
-            rig.conn.write(rig.src_region, rig.remote, _good())
+            handle.wait(WAIT)
     finally:
         gate.release()
+        closer.join(WAIT)
+    assert not closer.is_alive(), "close() did not return once the handler let go"
+    rig.conn.close()  # idempotent
+    with pytest.raises((ClosedError, PeerLostError)):
+        rig.conn.write(rig.src_region, rig.remote, _good())
     # The contract (transport.base.Connection.close): closing the *sender's*
     # connection stops it sending; bytes it already handed to the network may
     # still land until the receiver fences it. So the receiver fences before
