@@ -92,9 +92,11 @@ class Progress:
             # Started under the link's delivery lock: its fence waits a running
             # notify out and none starts after it (re-entrant: a handler may drop_peer).
             with peer.delivering:
-                if peer.dead:
-                    continue
                 for _, payload in landed:
+                    # per payload: a handler earlier in this batch may have fenced
+                    # the peer, and nothing is delivered after a fence
+                    if peer.dead:
+                        break
                     if payload is not None:
                         engine._deliver(peer.sender, payload)
             if not peer.dead:
