@@ -50,6 +50,11 @@ REMOTE_WRITE = 2
 INFLIGHT_WAIT = 30.0  # MR.close waits this long for a packet; only a hung hook exceeds it
 
 
+# The fabric's NIC thread: it stands for the hardware, is shared by every
+# engine of the process and outlives them (as a NIC outlives its users).
+NIC_THREAD = "soft-verbs-nic"
+
+
 @dataclass
 class MRState:
     key: int
@@ -177,7 +182,7 @@ class Fabric:
             scq.qps.append(qp)
             rcq.qps.append(qp)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="soft-verbs-nic")
+                self._thread = threading.Thread(target=self._run, daemon=True, name=NIC_THREAD)
                 self._thread.start()
             return qp
 

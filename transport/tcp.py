@@ -87,6 +87,10 @@ class TcpEngine(SocketPeers, TransportEngine):
         self._handler: NotifyHandler | None = None
         self._outbound: dict[str, TcpConnection] = {}
         self._inbound: set[InboundStream] = set()
+        # Every stream whose thread may still run. A stream leaves `_inbound`
+        # (routing) in its thread's last steps, before the thread has ended, so
+        # close() joins these too; finished ones are pruned at each accept.
+        self._started: set[InboundStream] = set()
         self._links: dict[str, LinkState] = {}
         self._listener = Listener(self.name, host, port, self._accepted,
                                   handshake_timeout=connect_timeout, max_pending=max_pending)
@@ -117,6 +121,9 @@ class TcpEngine(SocketPeers, TransportEngine):
         tune(sock)
         stream = InboundStream(self, sock, peer, slot)
         if self._track_accepted(self._inbound, stream, sock, slot):
+            with self._lock:
+                self._started = {s for s in self._started if s.thread.is_alive()}
+                self._started.add(stream)
             stream.start()
 
     def _attach(self, stream: InboundStream, link: str, streams: int) -> LinkState:
@@ -155,12 +162,13 @@ class TcpEngine(SocketPeers, TransportEngine):
             self._closed = True
             outbound = list(self._outbound.values())
             inbound = list(self._inbound)
+            started = list(self._started | self._inbound)
             self._outbound.clear()
         self._listener.close(2.0)
         for stream in inbound:
             stream.fence()
         for conn in outbound:
             conn.close()
-        for stream in inbound:
+        for stream in started:
             stream.join(2.0)
         self.regions.clear()

@@ -114,7 +114,8 @@ class InboundStream:
 
     def join(self, timeout: float) -> None:
         """Wait (bounded) for the stream's thread: close() joins what the engine started."""
-        if threading.current_thread() is not self.thread:
+        # not started: close() won the race with the accept, which then closes it
+        if threading.current_thread() is not self.thread and self.thread.ident is not None:
             self.thread.join(timeout)
 
     def fence(self) -> None:
