@@ -116,6 +116,9 @@ class VerbsEngine(SocketPeers, TransportEngine):
         self._local: dict[int, tuple[Any, int]] = {}  # region id -> (engine-wide MR, base)
         self._dmabufs: dict[int, int] = {}
         self._peers: set[InboundPeer] = set()
+        # Every inbound peer whose thread may still run: a peer leaves `_peers`
+        # in its thread's last steps, so close() joins these (pruned per accept).
+        self._started: set[InboundPeer] = set()
         self._outbound: dict[str, VerbsConnection] = {}
         try:
             self._listener = socket.create_server((host, port), backlog=128)
@@ -192,7 +195,14 @@ class VerbsEngine(SocketPeers, TransportEngine):
             peer.fence()
 
     def _accept_loop(self) -> None:
-        accept_loop(self, self._listener, lambda sock, where: InboundPeer(self, sock, where).start())
+        accept_loop(self, self._listener, self._start_peer)
+
+    def _start_peer(self, sock: socket.socket, where: str) -> None:
+        peer = InboundPeer(self, sock, where)
+        with self._lock:
+            self._started = {p for p in self._started if p.alive}
+            self._started.add(peer)
+        peer.start()
 
     def _admit(self, peer: InboundPeer, hello: Any) -> Welcome:
         """Build a new inbound link's QP and MRs over every live region, and welcome it."""
@@ -260,6 +270,7 @@ class VerbsEngine(SocketPeers, TransportEngine):
             self._closed = True
             outbound = list(self._outbound.values())
             peers = list(self._peers)
+            started = list(self._started | self._peers)
         shut_listener(self._listener)
         for peer in peers:
             peer.fence()
@@ -268,6 +279,8 @@ class VerbsEngine(SocketPeers, TransportEngine):
         self._wake.set()
         self._progress.join(5.0)
         self._acceptor.join(2.0)
+        for peer in started:
+            peer.join(2.0)
         if self._progress.is_alive():  # a notify handler is stuck: leave the device to the GC
             log.warning("verbs engine %s: progress thread still busy at close", self.engine_id)
             return

@@ -63,6 +63,16 @@ class InboundPeer:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the peer's thread is running, or about to (not yet started)."""
+        return self._thread.ident is None or self._thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        """Wait (bounded) for the peer's thread: close() joins what the engine started."""
+        if threading.current_thread() is not self._thread and self._thread.ident is not None:
+            self._thread.join(timeout)
+
     # -- setup --------------------------------------------------------------
     def _serve(self) -> None:
         try:
