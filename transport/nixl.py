@@ -35,6 +35,7 @@ bytes off the socket. Deliberately absent: `read` (nothing needs it yet).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import socket
@@ -114,6 +115,8 @@ class NixlEngine(SocketPeers, TransportEngine):
         self._agent = make_agent(self.engine_id, tls, self.device)
         self._regs: dict[int, Any] = {}
         self._sends: list[_Send] = []
+        # writes handed over by callers, posted by the progress thread (see _post)
+        self._posts: collections.deque = collections.deque()
         self._pending: set[InboundPeer] = set()  # accepted, handshake not done: close() fences them
         self._progress = Progress(self)
         try:
@@ -239,29 +242,54 @@ class NixlEngine(SocketPeers, TransportEngine):
             return [p for p in self._peers if not p.dead]
 
     # -- outbound transfers (called by NixlConnection and Progress) ----------
-    def _post(self, conn: NixlConnection, local: np.ndarray, remote: np.ndarray, note: bytes) -> None:
-        with self._agent_lock:
-            self._check_agent()
-            try:
-                ls = self._agent.get_xfer_descs(local, "DRAM")
-                rs = self._agent.get_xfer_descs(remote, "DRAM")
-                xfer = self._agent.initialize_xfer("WRITE", ls, rs, conn.agent, note)
-                state = self._agent.transfer(xfer)
-            except Exception as exc:
-                raise translate(exc, f"posting a write to {conn.peer}") from exc
-            self._sends.append(_Send(conn, xfer))
-        if state == "ERR":
-            raise PeerLostError(f"NIXL refused to post a write to {conn.peer}: the link is broken")
+    def _post(self, conn: NixlConnection, seq: int, local: np.ndarray | None,
+              remote: np.ndarray | None, note: bytes) -> None:
+        """Queue one write (or, with no descriptors, a notify alone) for the progress thread.
+
+        The caller never takes the agent lock: NIXL calls on the one initiating
+        agent are serialised, and one of them (loading a new peer's metadata,
+        a first message to it, forgetting a dead one) can run for tens of ms
+        of UCX work under CPU load. A `send()` to any peer must not wait that
+        out, so posts are handed over in order and made on the progress thread,
+        which already holds the agent for every poll. A post NIXL refuses fails
+        that write's handle (the link too when NIXL says it is broken).
+        """
+        self._check_agent()
+        self._posts.append((conn, seq, local, remote, note))
         self._progress.kick()
 
-    def _notify_only(self, conn: NixlConnection, note: bytes) -> None:
+    def _make_posts(self) -> tuple[list[tuple[NixlConnection, int, TransportError]], bool]:
+        """Post every queued write in order, under one hold of the agent lock (progress thread).
+
+        Returns `(refused posts as (link, seq, error), whether any was taken)`.
+        """
+        posts, refused = [], []
+        while self._posts:
+            posts.append(self._posts.popleft())
+        if not posts:
+            return refused, False
         with self._agent_lock:
-            self._check_agent()
-            try:
-                self._agent.send_notif(conn.agent, note)
-            except Exception as exc:
-                raise translate(exc, f"sending a notify to {conn.peer}") from exc
-        self._progress.kick()
+            if self._agent is None:
+                return refused, True  # closing: close() fails every link's handles
+            for conn, seq, local, remote, note in posts:
+                if conn.dead:
+                    continue  # its handles already failed with the link's error
+                try:
+                    if local is None:
+                        self._agent.send_notif(conn.agent, note)
+                        continue
+                    ls = self._agent.get_xfer_descs(local, "DRAM")
+                    rs = self._agent.get_xfer_descs(remote, "DRAM")
+                    xfer = self._agent.initialize_xfer("WRITE", ls, rs, conn.agent, note)
+                    state = self._agent.transfer(xfer)
+                except Exception as exc:
+                    refused.append((conn, seq, translate(exc, f"posting a write to {conn.peer}")))
+                    continue
+                self._sends.append(_Send(conn, xfer))
+                if state == "ERR":
+                    refused.append((conn, seq, PeerLostError(
+                        f"NIXL refused to post a write to {conn.peer}: the link is broken")))
+        return refused, True
 
     def _poll_sends(self) -> tuple[list[tuple[NixlConnection, TransportError]], bool]:
         """One look at every posted request: `(links to sever, whether any is still moving)`."""
@@ -349,6 +377,7 @@ class NixlEngine(SocketPeers, TransportEngine):
                 except Exception:
                     log.debug("nixl: a request was still active at close")
             self._sends = []
+            self._posts.clear()
             for reg in self._regs.values():
                 try:
                     agent.deregister_memory(reg)

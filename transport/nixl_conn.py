@@ -10,8 +10,9 @@ NIXL at memory the peer never announced.
 
 A write is one NIXL transfer: both descriptor lists built by array
 arithmetic from the segment table (no loop per row), one `initialize_xfer`,
-one `transfer`, its `Note` as the notification. The handle completes when
-the peer's `Acks` name it — after its bytes landed and its notify ran — and
+one `transfer`, its `Note` as the notification — made by the engine's
+progress thread, to which `write` hands the descriptors (`NixlEngine._post`).
+The handle completes when the peer's `Acks` name it — after its bytes landed and its notify ran — and
 fails when the link dies (control socket closed: the peer died, closed or
 fenced us) or NIXL reports the transfer broken.
 
@@ -145,10 +146,10 @@ class NixlConnection(Connection):
             self._pending[seq] = handle  # before posting: the ack may beat us back
         try:
             if table.shape[0]:
-                engine._post(self, self._descs(src.start, table, 0), self._descs(base, table, 1),
+                engine._post(self, seq, self._descs(src.start, table, 0), self._descs(base, table, 1),
                              pack_note(seq, payload))
             else:
-                engine._notify_only(self, pack_note(seq, payload))
+                engine._post(self, seq, None, None, pack_note(seq, payload))
         except BaseException:
             with self._lock:
                 self._pending.pop(seq, None)
@@ -229,6 +230,16 @@ class NixlConnection(Connection):
         for handle in handles:
             if handle is not None:
                 handle.complete()
+
+    def refused(self, seq: int, error: TransportError) -> None:
+        """NIXL would not post write `seq` (progress thread): it fails, and the link if broken."""
+        if isinstance(error, PeerLostError):
+            self.sever(error)
+            return
+        with self._lock:
+            handle = self._pending.pop(seq, None)
+        if handle is not None:
+            handle.fail(error)
 
     # -- teardown -------------------------------------------------------------
     def sever(self, error: TransportError) -> None:

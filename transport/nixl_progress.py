@@ -11,7 +11,8 @@ to 2 ms while idle (0.5 ms while a send is in flight), and woken at once by
 and never spins: every round ends in an `Event.wait`. Waiting callers never
 poll either: they wait on their `Handle`'s event, with a timeout.
 
-A round: (1) every posted transfer's state under the sending agent's lock —
+A round: (0) the writes callers queued are posted, in order (callers never
+take the agent lock: `NixlEngine._post`); (1) every posted transfer's state under the sending agent's lock —
 DONE releases the NIXL request, an error fails the transfer and severs its
 link; (2) every live inbound link's notifications, each delivered to the
 notify handler under that link's re-entrant `delivering` lock (so its fence
@@ -79,7 +80,9 @@ class Progress:
 
     def _round(self) -> tuple[bool, bool]:
         engine = self._engine
-        worked = False
+        refused, worked = engine._make_posts()
+        for conn, seq, error in refused:
+            conn.refused(seq, error)
         failed, sending = engine._poll_sends()
         for conn, error in failed:
             worked = True

@@ -12,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -67,6 +68,31 @@ def test_deregistered_region_is_refused_once_the_sender_hears(rig: Rig) -> None:
             break
         assert time.monotonic() < deadline, "the sender never heard the region was deregistered"
         time.sleep(0.01)
+
+
+def test_a_write_never_waits_for_the_agent_lock(rig: Rig) -> None:
+    # #8: the initiating agent is shared by every peer, and some NIXL calls on it
+    # (loading a new peer's metadata, forgetting a dead one) run for tens of ms.
+    # Another thread holds the agent lock here as such a call would; the write must
+    # return while it is held — posting is the progress thread's job — and land after.
+    held, returned, saw_return = threading.Event(), threading.Event(), []
+
+    def long_nixl_call() -> None:
+        with rig.tx._agent_lock:
+            held.set()
+            saw_return.append(returned.wait(WAIT))
+
+    holder = threading.Thread(target=long_nixl_call)
+    holder.start()
+    assert held.wait(WAIT)
+    table = np.array([[0, 0, 4096], [8192, 20_000, 3000]], np.int64)
+    handle = rig.conn.write(rig.src_region, rig.remote, table, notify=b"while-held")
+    returned.set()
+    holder.join(WAIT)
+    assert saw_return == [True], "write() waited for the agent lock another thread held"
+    handle.wait(WAIT)
+    assert_landed(rig.src, rig.dst, table)
+    rig.wait_note(b"while-held")
 
 
 def test_close_fences_the_link_on_the_receiver(rig: Rig) -> None:
