@@ -13,8 +13,9 @@ table means differ.
 `WIRE` (a module holding `CONTROL`, `Refresh`, `Regions`, `Gone`, `Bye`,
 `Acks`) and three hooks: `_on_acks(msg)`, `_on_regions(msg)` (install the
 new table) and `_release()` (free the data path's resources). `accept_loop`
-is the receiving engine's listener loop. The nixl backend predates this module
-and keeps its own copy (transport/nixl_conn.py); it can move onto it.
+is the receiving engine's listener loop; `ControlPeer` is the receiving
+side's half (acks, and fencing a link whose sender is gone). Both `NixlConnection` and
+`VerbsConnection` are built on it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+import numpy as np
 
 from .errors import (
     ClosedError,
@@ -171,6 +174,36 @@ class ControlLink:
         if threading.current_thread() is not self._reader:
             self._reader.join(BYE_WAIT)
         self._hang_up()
+
+
+class ControlPeer:
+    """Mixin for an inbound link: what the receiving side says back on the control socket.
+
+    The class sets `WIRE` (as for `ControlLink`); the instance sets `engine`,
+    `sock`, `send_lock`, `sender`, `dead` and `fence()`. A send that fails means the
+    sender is gone: the link is fenced, never left half alive.
+    """
+
+    WIRE: ModuleType
+
+    def ack(self, seqs: list[int]) -> None:
+        """Tell the sender these transfers landed (after their notify was delivered)."""
+        if seqs:
+            self.send(self.WIRE.Acks(np.asarray(seqs, dtype="<i8").tobytes()))
+
+    def send(self, msg: Any) -> None:
+        if self.dead:
+            return
+        try:
+            self._send(msg)
+        except TransportError as exc:
+            log.warning("%s: link from %s lost while sending %s: %s",
+                        self.engine.name, self.sender, type(msg).TYPE, exc)
+            self.fence()
+
+    def _send(self, msg: Any) -> None:
+        with self.send_lock:
+            self.WIRE.CONTROL.send(self.sock, msg)
 
 
 def accept_loop(engine: Any, listener: socket.socket, start: Callable[[socket.socket, str], None]) -> None:

@@ -30,29 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import nixl_wire
 from .base import Connection, LocalRegion, TransferHandle
-from .errors import (
-    ClosedError,
-    PeerLostError,
-    ProtocolError,
-    RegistrationError,
-    TransferTimeout,
-    TransportError,
-)
+from .control_link import ControlLink
+from .errors import PeerLostError, ProtocolError, RegistrationError, TransportError
 from .handles import Handle
-from .nixl_wire import (
-    CONTROL,
-    Acks,
-    Bye,
-    Gone,
-    Hello,
-    Refresh,
-    Regions,
-    Welcome,
-    ints,
-    pack_note,
-    recv_control,
-)
+from .nixl_wire import CONTROL, Acks, Hello, Regions, Welcome, ints, pack_note, recv_control
 from .regions import check_descriptor
 from .segments import as_table, check_notify, check_table
 from .wire import ErrorMessage
@@ -62,12 +45,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How long close() waits for the peer to confirm it fenced this link.
-BYE_WAIT = 1.0
 
-
-class NixlConnection(Connection):
+class NixlConnection(ControlLink, Connection):
     """A link to one peer engine: control socket, the peer's regions, transfers awaiting acks."""
+
+    WIRE = nixl_wire
 
     def __init__(self, engine: NixlEngine, host: str, port: int, peer: str) -> None:
         self._engine = engine
@@ -77,7 +59,7 @@ class NixlConnection(Connection):
         self._queries: dict[int, threading.Event] = {}
         self._error: TransportError | None = None
         self._seqs = itertools.count(1)
-        self._ids = itertools.count(1)
+        self._qids = itertools.count(1)
         try:
             sock = socket.create_connection((host, port), timeout=engine.connect_timeout)
         except OSError as exc:
@@ -107,14 +89,6 @@ class NixlConnection(Connection):
     def _table(data: bytes) -> dict[int, tuple[int, int]]:
         rows = ints(data, 3, "region list")
         return {int(r): (int(a), int(n)) for r, a, n in rows.tolist()}
-
-    @property
-    def dead(self) -> bool:
-        return self._error is not None
-
-    @property
-    def alive(self) -> bool:
-        return self._error is None
 
     # -- writes ---------------------------------------------------------------
     def write(
@@ -164,72 +138,21 @@ class NixlConnection(Connection):
         out[:, 1] = table[:, 2]
         return out
 
-    def _resolve(self, region_id: int) -> tuple[int, int]:
-        """`(address, length)` of the peer's region, refreshing once if we do not know it."""
-        found = self._regions.get(region_id)
-        if found is None:
-            self._refresh()
-            found = self._regions.get(region_id)
-        if found is None:
-            raise RegistrationError(
-                f"engine {self.peer} has no region {region_id} (never registered or deregistered); "
-                "ask the peer for a fresh descriptor"
-            )
-        return found
-
-    def _refresh(self) -> None:
-        query = next(self._ids)
-        done = threading.Event()
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            self._queries[query] = done
-        try:
-            CONTROL.send(self._sock, Refresh(query))
-            if not done.wait(self._engine.connect_timeout):
-                raise TransferTimeout(
-                    f"nixl engine {self.peer} did not answer a region refresh in "
-                    f"{self._engine.connect_timeout} s; it is stalled — drop it or retry"
-                )
-        finally:
-            with self._lock:
-                self._queries.pop(query, None)
-        if self._error is not None:
-            raise self._error
-
-    # -- the control reader ---------------------------------------------------
-    def _read(self) -> None:
-        try:
-            while True:
-                msg = recv_control(self._sock)
-                if isinstance(msg, Acks):
-                    self._acked(ints(msg.seqs, 1, "acks")[:, 0].tolist())
-                elif isinstance(msg, Regions):
-                    self.agent = self._engine._load_metadata(msg.metadata, self.agent)
-                    self._regions = self._table(msg.regions)
-                    with self._lock:
-                        done = self._queries.get(msg.query)
-                    if done is not None:
-                        done.set()
-                elif isinstance(msg, Gone):
-                    self._regions = {k: v for k, v in self._regions.items() if k != msg.region}
-                elif isinstance(msg, ErrorMessage):
-                    raise ProtocolError(f"nixl engine {self.peer} hung up: {msg.reason}")
-                else:
-                    raise ProtocolError(f"unexpected {type(msg).TYPE} from nixl engine {self.peer}")
-        except PeerLostError as exc:
-            self.sever(PeerLostError(
-                f"nixl engine {self.peer} closed the link (it died, closed, or dropped us): {exc}"
-            ))
-        except TransportError as exc:
-            self.sever(exc)
-
-    def _acked(self, seqs: list[int]) -> None:
+    # -- the control link's hooks (control_link.ControlLink) -------------------
+    def _on_acks(self, msg: Acks) -> None:
+        seqs = ints(msg.seqs, 1, "acks")[:, 0].tolist()
         with self._lock:
             handles = [self._pending.pop(s, None) for s in seqs]
         for handle in handles:
             if handle is not None:
                 handle.complete()
+
+    def _on_regions(self, msg: Regions) -> None:
+        self.agent = self._engine._load_metadata(msg.metadata, self.agent)
+        self._regions = self._table(msg.regions)
+
+    def _release(self) -> None:
+        pass  # the engine's `_disconnect` (ControlLink calls it next) forgets the peer's agent
 
     def refused(self, seq: int, error: TransportError) -> None:
         """NIXL would not post write `seq` (progress thread): it fails, and the link if broken."""
@@ -240,43 +163,3 @@ class NixlConnection(Connection):
             handle = self._pending.pop(seq, None)
         if handle is not None:
             handle.fail(error)
-
-    # -- teardown -------------------------------------------------------------
-    def sever(self, error: TransportError) -> None:
-        """Kill the link with `error`: pending transfers fail, NIXL forgets the peer. Idempotent."""
-        with self._lock:
-            if self._error is not None:
-                return
-            self._error = error
-            pending, self._pending = list(self._pending.values()), {}
-            queries = list(self._queries.values())
-        for handle in pending:
-            handle.fail(error)
-        for done in queries:
-            done.set()
-        if not isinstance(error, ClosedError):
-            self._hang_up()
-
-    def _hang_up(self) -> None:
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-        self._engine._disconnect(self)
-
-    def close(self) -> None:
-        """Fail what is in flight with `ClosedError`; the peer fences the link before we let go."""
-        if self._error is not None and not isinstance(self._error, ClosedError):
-            return
-        first = self._error is None
-        self.sever(ClosedError(f"nixl connection {self._engine.engine_id}->{self.peer} closed"))
-        if not first:
-            return
-        try:  # the peer fences us on Bye and hangs up; its hang-up ends our reader
-            CONTROL.send(self._sock, Bye())
-        except TransportError:
-            pass
-        if threading.current_thread() is not self._reader:
-            self._reader.join(BYE_WAIT)
-        self._hang_up()

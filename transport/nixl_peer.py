@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import nixl_wire
+from .control_link import ControlPeer
 from .errors import PeerLostError, ProtocolError, TransportError
 from .listener import Slot
 from .nixl_wire import (
-    CONTROL,
-    Acks,
     Bye,
     Gone,
     Hello,
@@ -62,8 +62,10 @@ def region_rows(regions: list[Region]) -> bytes:
     return rows.tobytes()
 
 
-class InboundPeer:
+class InboundPeer(ControlPeer):
     """One sender's link into this engine: its control socket, its serving agent, its fence."""
+
+    WIRE = nixl_wire
 
     def __init__(self, engine: NixlEngine, sock: socket.socket, where: str, serial: int,
                  slot: Slot) -> None:
@@ -196,24 +198,6 @@ class InboundPeer:
                     continue
                 out.append((note.seq, note.payload))
         return out
-
-    def ack(self, seqs: list[int]) -> None:
-        """Tell the sender these transfers landed (after their notify was delivered)."""
-        if seqs:
-            self.send(Acks(np.asarray(seqs, dtype="<i8").tobytes()))
-
-    def send(self, msg: object) -> None:
-        if self.dead:
-            return
-        try:
-            self._send(msg)
-        except TransportError as exc:
-            log.warning("nixl: link from %s lost while sending %s: %s", self.sender, type(msg).TYPE, exc)
-            self.fence()
-
-    def _send(self, msg: object) -> None:
-        with self.send_lock:
-            CONTROL.send(self.sock, msg)
 
     # -- the fence ----------------------------------------------------------
     def fence(self) -> None:

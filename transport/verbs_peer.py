@@ -31,11 +31,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import verbs_build as build
+from . import verbs_wire
+from .control_link import ControlPeer
 from .errors import PeerLostError, ProtocolError, TransportError
 from .regions import Region
 from .verbs_api import wc_error
 from .verbs_mem import access_flags, register_mr
-from .verbs_wire import CONTROL, SLOT, Acks, Bye, Gone, Hello, Refresh, Regions, unpack_note
+from .verbs_wire import CONTROL, SLOT, Bye, Gone, Hello, Refresh, Regions, unpack_note
 
 if TYPE_CHECKING:
     from .verbs import VerbsEngine
@@ -44,8 +46,10 @@ log = logging.getLogger(__name__)
 SEND_TIMEOUT = 5.0  # a sender that stops reading must not stall our progress thread in an ack
 
 
-class InboundPeer:
+class InboundPeer(ControlPeer):
     """One sender's link into this engine: its QP, slots, MRs, control socket and fence."""
+
+    WIRE = verbs_wire
 
     def __init__(self, engine: VerbsEngine, sock: socket.socket, where: str) -> None:
         self.engine, self.sock, self.where = engine, sock, where
@@ -209,23 +213,6 @@ class InboundPeer:
             return None
         del self._partial[note.seq]
         return note.seq, got[1]
-
-    def ack(self, seqs: list[int]) -> None:
-        if seqs:
-            self.send(Acks(np.asarray(seqs, dtype="<i8").tobytes()))
-
-    def send(self, msg: object) -> None:
-        if self.dead:
-            return
-        try:
-            self._send(msg)
-        except TransportError as exc:
-            log.warning("verbs: link from %s lost while sending %s: %s", self.sender, type(msg).TYPE, exc)
-            self.fence()
-
-    def _send(self, msg: object) -> None:
-        with self.send_lock:
-            CONTROL.send(self.sock, msg)
 
     # -- the fence ----------------------------------------------------------
     def _revoke(self) -> None:
