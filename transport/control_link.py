@@ -24,8 +24,9 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -41,6 +42,40 @@ from .wire import ErrorMessage
 
 log = logging.getLogger(__name__)
 BYE_WAIT = 1.0  # how long close() waits for the peer to fence us and hang up
+
+
+# The frames whose meaning is the same on every control channel; each backend's
+# wire module lists them in its own versioned `Protocol` beside the frames that
+# are its own (Hello, Welcome, Regions: what a link and a region table are).
+@dataclass(frozen=True)
+class Refresh:
+    """A write named a region the sender does not know: send the current table."""
+
+    TYPE: ClassVar[str] = "refresh"
+    query: int
+
+
+@dataclass(frozen=True)
+class Acks:
+    """These transfers' bytes are in the receiver's memory and their notify was delivered."""
+
+    TYPE: ClassVar[str] = "acks"
+    seqs: bytes  # little-endian int64 sequence numbers
+
+
+@dataclass(frozen=True)
+class Gone:
+    """Region `region` was deregistered: stop addressing it."""
+
+    TYPE: ClassVar[str] = "gone"
+    region: int
+
+
+@dataclass(frozen=True)
+class Bye:
+    """The sender closes the link; the receiver fences it and hangs up."""
+
+    TYPE: ClassVar[str] = "bye"
 
 
 class ControlLink:

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .control_link import Acks, Bye, Gone, Refresh
 from .errors import PeerLostError, RegistrationError, TransportError
 from .wire import LENGTH, Protocol
 
@@ -77,14 +78,6 @@ class Welcome:
 
 
 @dataclass(frozen=True)
-class Refresh:
-    """A write named a region the sender does not know: send the current metadata."""
-
-    TYPE: ClassVar[str] = "refresh"
-    query: int
-
-
-@dataclass(frozen=True)
 class Regions:
     """Answer to `Refresh`: fresh metadata and the full region list."""
 
@@ -92,29 +85,6 @@ class Regions:
     query: int
     metadata: bytes
     regions: bytes
-
-
-@dataclass(frozen=True)
-class Acks:
-    """These transfers' bytes are in the receiver's memory and their notify was delivered."""
-
-    TYPE: ClassVar[str] = "acks"
-    seqs: bytes  # little-endian int64 sequence numbers
-
-
-@dataclass(frozen=True)
-class Gone:
-    """Region `region` was deregistered: stop addressing it."""
-
-    TYPE: ClassVar[str] = "gone"
-    region: int
-
-
-@dataclass(frozen=True)
-class Bye:
-    """The sender closes the link; the receiver fences it and hangs up."""
-
-    TYPE: ClassVar[str] = "bye"
 
 
 @dataclass(frozen=True)

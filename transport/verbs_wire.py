@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from .control_link import Acks, Bye, Gone, Refresh
 from .segments import MAX_NOTIFY
 from .wire import LENGTH, Protocol
 
@@ -56,33 +57,10 @@ class Welcome:
 
 
 @dataclass(frozen=True)
-class Refresh:
-    TYPE: ClassVar[str] = "refresh"
-    query: int
-
-
-@dataclass(frozen=True)
 class Regions:
     TYPE: ClassVar[str] = "regions"
     query: int
     regions: bytes
-
-
-@dataclass(frozen=True)
-class Acks:
-    TYPE: ClassVar[str] = "acks"
-    seqs: bytes  # little-endian int64
-
-
-@dataclass(frozen=True)
-class Gone:
-    TYPE: ClassVar[str] = "gone"
-    region: int
-
-
-@dataclass(frozen=True)
-class Bye:
-    TYPE: ClassVar[str] = "bye"
 
 
 @dataclass(frozen=True)
