@@ -54,6 +54,7 @@ from .nixl_wire import (
 )
 from .regions import check_descriptor
 from .segments import as_table, check_notify, check_table
+from .streams import capture, host_wait
 from .wire import ErrorMessage
 
 if TYPE_CHECKING:
@@ -122,6 +123,8 @@ class NixlConnection(Connection):
         remote: dict[str, Any],
         segments: np.ndarray,
         notify: bytes | None = None,
+        *,
+        ready: Any = None,
     ) -> TransferHandle:
         if self._error is not None:
             raise self._error
@@ -137,6 +140,8 @@ class NixlConnection(Connection):
         table = as_table(segments)
         nbytes = check_table(table, src.length, dst_length)
         payload = check_notify(notify)
+        # UCX reads the source itself: the host waits for the producer's event (only it).
+        host_wait(capture(ready, src.data.device), engine.connect_timeout, f"a write to {self.peer}")
         seq = next(self._seqs)
         handle = Handle(nbytes, f"nixl transfer {seq} to {self.peer}")
         with self._lock:

@@ -175,3 +175,16 @@ def test_config_refuses_unknown_and_ignored_transport_options() -> None:
         EngineConfig(transport="tcp", transport_options={"host": "::1"})
     assert EngineConfig(transport="tcp", transport_options={"streams": 2, "port": 0})
     assert EngineConfig(transport="loopback", transport_options={"copy_threads": 2})
+
+
+def test_send_refuses_readiness_for_host_pools_before_anything_happens(pair) -> None:
+    # `ready` hands a CUDA producer's event over (transport.streams); with host
+    # pools it is a caller's mistake, refused before the request exists.
+    prefill, decode, _, _ = pair
+    with pytest.raises(pdxfer.CapabilityError, match="applies to CUDA memory only"):
+        prefill.send("r", {"kv": [2]}, ready=object())
+    with pytest.raises(pdxfer.UnknownRequestError):
+        prefill.poll("r")  # the refused send left nothing behind
+    decode.expect("r", prefill.bootstrap_address, {"kv": [1]})
+    prefill.send("r", {"kv": [2]}, ready=None)
+    assert decode.wait("r", 10) is KVPoll.Success

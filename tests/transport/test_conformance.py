@@ -373,6 +373,19 @@ def test_descriptor_and_address_are_plain_msgpack(rig: Rig) -> None:
     assert rig.rx.address()["engine"] == rig.rx.engine_id
 
 
+def test_readiness_for_host_memory_is_refused_before_anything_moves(rig: Rig) -> None:
+    # `ready` is the CUDA stream contract (transport.streams); given for a host
+    # region it reveals a caller who thinks its CPU bytes are produced
+    # asynchronously, so every backend refuses it, and nothing lands.
+    table = np.array([[0, 0, 4096]], np.int64)
+    with pytest.raises(transport.CapabilityError, match="applies to CUDA memory only"):
+        rig.conn.write(rig.src_region, rig.remote, table, notify=b"no", ready=object())
+    rig.conn.write(rig.src_region, rig.remote, table, notify=b"yes").wait(WAIT)
+    rig.wait_note(b"yes")
+    assert [p for _, p in rig.notes] == [b"yes"]
+    assert_landed(rig.src, rig.dst, table)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none on this machine")
 def test_cuda_round_trip(rig: Rig) -> None:
     if not rig.tx.capabilities.cuda_memory:
