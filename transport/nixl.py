@@ -27,14 +27,21 @@ UCX worker per inbound link. `tls` is an option so a deployment that does
 not need the fence may widen it; `drop_peer` then refuses with
 `CapabilityError` rather than pretend.
 
-Capabilities: host memory only (`cuda_memory=False`: VRAM needs UCX's cuda
-transports, which this configuration leaves out and this machine lacks);
-`one_sided=False`, honestly: over tcp the receiver's progress copies the
-bytes off the socket. Deliberately absent: `read` (nothing needs it yet).
+Capabilities, per instance: with `tls="tcp"` host memory only
+(`cuda_memory=False`); with `tls="all"` (or None: UCX's full list — cma,
+cuda_copy, cuda_ipc, rc/dc where present) CUDA tensors register as VRAM,
+once, on every agent, and descriptors say VRAM or DRAM from the region's
+device (`nixl_wire.mem_type`), so VRAM→VRAM between processes on one GPU
+goes over cuda_ipc — and `drop_peer` refuses, as above. `one_sided=False`,
+honestly for tcp (the receiver's progress copies the bytes off the socket).
+CUDA sources: UCX reads them itself, so `write` waits on the host for the
+producer's `ready` event before posting (`transport.streams.host_wait`).
+Deliberately absent: `read` (nothing needs it yet).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import socket
@@ -60,6 +67,15 @@ log = logging.getLogger(__name__)
 # UCX transport lists under which only our own progress calls write into our
 # memory, so drop_peer can fence (see the module docstring).
 FENCEABLE_TLS = frozenset({"tcp", "tcp,self", "self,tcp"})
+# `tls` for UCX's full list (its own default, "all"): cma/sysv/posix shared
+# memory, cuda_copy and cuda_ipc for VRAM, rc/dc/ud where a NIC exists.
+FULL_TLS = "all"
+
+
+def cuda_tls(tls: str) -> bool:
+    """Whether UCX transports `tls` can move VRAM: the full list, or one naming a cuda transport."""
+    names = {t.strip() for t in tls.split(",")}
+    return tls == FULL_TLS or any(t.startswith("cuda") or t in ("gdr_copy", "rc", "dc") for t in names)
 
 
 class _Send:
@@ -87,19 +103,24 @@ class NixlEngine(SocketPeers, TransportEngine):
         port: int = 0,
         streams: int | None = None,
         *,
-        tls: str = "tcp",
+        tls: str | None = "tcp",
         connect_timeout: float = 10.0,
         max_pending: int = DEFAULT_MAX_PENDING,
     ) -> None:
         """`host`/`port`: the control listener. `streams` is accepted like every backend's
-        common option and unused: UCX decides its own lanes. `tls`: the UCX transports.
+        common option and unused: UCX decides its own lanes. `tls`: the UCX transports
+        ("tcp", fenceable; "all" or None: UCX's full list, VRAM-capable, no fence).
         `connect_timeout` bounds our connects and every inbound handshake;
         `max_pending` caps inbound connections still in their handshake."""
         del streams
         self.engine_id = f"nixl-{uuid.uuid4().hex[:12]}"
-        self.tls = tls
+        self.tls = FULL_TLS if tls is None else tls
+        # Per instance: VRAM only with UCX's cuda transports (capabilities of the class: tcp's).
+        self.capabilities = dataclasses.replace(
+            type(self).capabilities, cuda_memory=cuda_tls(self.tls), cuda_zero_copy=cuda_tls(self.tls),
+            one_sided=self.tls not in FENCEABLE_TLS)
         self.connect_timeout = connect_timeout
-        self.regions = RegionTable(self.name, self.engine_id, cuda=False)
+        self.regions = RegionTable(self.name, self.engine_id, cuda=self.capabilities.cuda_memory)
         self._lock = threading.Lock()  # engine state: regions, links, closed
         self._closed = False
         self._handler: NotifyHandler | None = None
@@ -239,12 +260,13 @@ class NixlEngine(SocketPeers, TransportEngine):
             return [p for p in self._peers if not p.dead]
 
     # -- outbound transfers (called by NixlConnection and Progress) ----------
-    def _post(self, conn: NixlConnection, local: np.ndarray, remote: np.ndarray, note: bytes) -> None:
+    def _post(self, conn: NixlConnection, local: np.ndarray, remote: np.ndarray, note: bytes,
+              mems: tuple[str, str] = ("DRAM", "DRAM")) -> None:
         with self._agent_lock:
             self._check_agent()
             try:
-                ls = self._agent.get_xfer_descs(local, "DRAM")
-                rs = self._agent.get_xfer_descs(remote, "DRAM")
+                ls = self._agent.get_xfer_descs(local, mems[0])
+                rs = self._agent.get_xfer_descs(remote, mems[1])
                 xfer = self._agent.initialize_xfer("WRITE", ls, rs, conn.agent, note)
                 state = self._agent.transfer(xfer)
             except Exception as exc:
@@ -360,3 +382,20 @@ class NixlEngine(SocketPeers, TransportEngine):
         self._live.clear()
         self._retired.clear()
 
+
+
+class NixlFullEngine(NixlEngine):
+    """The nixl backend with UCX's full transport list (`tls="all"`) by default.
+
+    A registry entry of its own so the conformance suite and `pdxfer bench
+    transport` run it beside nixl-over-tcp: cma on one host here, cuda_ipc
+    and cuda_copy for VRAM on a GPU, rc/dc with a NIC. It cannot fence a
+    peer (`drop_peer` raises `CapabilityError`). Same wire and descriptors
+    as `nixl` (`name` stays "nixl"): the two interoperate.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, streams: int | None = None, *,
+                 tls: str | None = FULL_TLS, connect_timeout: float = 10.0,
+                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
+        super().__init__(host, port, streams, tls=tls, connect_timeout=connect_timeout,
+                         max_pending=max_pending)

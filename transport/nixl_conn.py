@@ -39,6 +39,7 @@ from .errors import (
     TransportError,
 )
 from .handles import Handle
+from .nixl_peer import gpu_of
 from .nixl_wire import (
     CONTROL,
     Acks,
@@ -49,6 +50,7 @@ from .nixl_wire import (
     Regions,
     Welcome,
     ints,
+    mem_type,
     pack_note,
     recv_control,
 )
@@ -104,9 +106,9 @@ class NixlConnection(Connection):
         self._reader.start()
 
     @staticmethod
-    def _table(data: bytes) -> dict[int, tuple[int, int]]:
-        rows = ints(data, 3, "region list")
-        return {int(r): (int(a), int(n)) for r, a, n in rows.tolist()}
+    def _table(data: bytes) -> dict[int, tuple[int, int, int]]:
+        rows = ints(data, 4, "region list")
+        return {int(r): (int(a), int(n), int(g)) for r, a, n, g in rows.tolist()}
 
     @property
     def dead(self) -> bool:
@@ -131,7 +133,7 @@ class NixlConnection(Connection):
         engine = self._engine
         src = engine.regions.local(local)
         region_id, length = check_descriptor(remote, "nixl", self.peer)
-        base, dst_length = self._resolve(region_id)
+        base, dst_length, dst_gpu = self._resolve(region_id)
         if dst_length != length:
             raise RegistrationError(
                 f"descriptor says region {region_id} has {length} B but it has {dst_length} B; "
@@ -150,8 +152,10 @@ class NixlConnection(Connection):
             self._pending[seq] = handle  # before posting: the ack may beat us back
         try:
             if table.shape[0]:
-                engine._post(self, self._descs(src.start, table, 0), self._descs(base, table, 1),
-                             pack_note(seq, payload))
+                src_gpu = gpu_of(src)
+                engine._post(self, self._descs(src.start, table, 0, src_gpu),
+                             self._descs(base, table, 1, dst_gpu), pack_note(seq, payload),
+                             (mem_type(src_gpu), mem_type(dst_gpu)))
             else:
                 engine._notify_only(self, pack_note(seq, payload))
         except BaseException:
@@ -161,15 +165,16 @@ class NixlConnection(Connection):
         return handle
 
     @staticmethod
-    def _descs(base: int, table: np.ndarray, col: int) -> np.ndarray:
+    def _descs(base: int, table: np.ndarray, col: int, gpu: int) -> np.ndarray:
         """NIXL's `(address, length, device)` rows for one side of `table`, by array arithmetic."""
         out = np.zeros((table.shape[0], 3), dtype=np.uint64)
         out[:, 0] = table[:, col] + base
         out[:, 1] = table[:, 2]
+        out[:, 2] = max(gpu, 0)  # host rows name device 0, as NIXL's own DRAM descriptors do
         return out
 
-    def _resolve(self, region_id: int) -> tuple[int, int]:
-        """`(address, length)` of the peer's region, refreshing once if we do not know it."""
+    def _resolve(self, region_id: int) -> tuple[int, int, int]:
+        """`(address, length, gpu)` of the peer's region, refreshing once if we do not know it."""
         found = self._regions.get(region_id)
         if found is None:
             self._refresh()
