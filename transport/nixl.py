@@ -132,7 +132,7 @@ class NixlEngine(SocketPeers, TransportEngine):
         self._agent_lock = threading.Lock()  # every NIXL call on the initiating agent
         # UCX listens on every interface it may use: keep it on the one `host` names
         self.device = interface_of(host)
-        self._agent = make_agent(self.engine_id, tls, self.device)
+        self._agent = make_agent(self.engine_id, self.tls, self.device)
         self._regs: dict[int, Any] = {}
         self._sends: list[_Send] = []
         self._pending: set[InboundPeer] = set()  # accepted, handshake not done: close() fences them

@@ -145,3 +145,41 @@ def test_ucx_listens_only_on_the_interface_of_the_host_given() -> None:
         opened = _listening_ports() - before
         assert opened, "the engine opened no listener at all?"
         assert all(a.startswith("127.") for a in opened), opened
+
+
+def test_capabilities_follow_the_ucx_transports_per_instance() -> None:
+    # tcp: host memory, receiver-driven, fenceable. UCX's full list: VRAM
+    # (cuda_ipc/cuda_copy where present), one-sided (cma here) — no fence.
+    from pdxfer.transport.nixl import cuda_tls
+
+    with transport.create("nixl") as tcp, transport.create("nixl-all") as full, \
+            transport.create("nixl", tls=None) as default:
+        assert (tcp.tls, full.tls, default.tls) == ("tcp", "all", "all")
+        assert not tcp.capabilities.cuda_memory and not tcp.capabilities.one_sided
+        assert full.capabilities.cuda_memory and full.capabilities.one_sided
+        assert type(tcp).capabilities.cuda_memory is False  # the class keeps tcp's answer
+    assert cuda_tls("cma,cuda_copy,cuda_ipc") and not cuda_tls("tcp") and not cuda_tls("cma,posix")
+
+
+def test_region_rows_name_each_regions_device_for_vram_descriptors() -> None:
+    from pdxfer.transport.nixl_conn import NixlConnection
+    from pdxfer.transport.nixl_peer import region_rows
+    from pdxfer.transport.nixl_wire import mem_type
+
+    with transport.create("nixl-all") as eng:
+        region = eng.register(torch.zeros(4096, dtype=torch.uint8))
+        rows = np.frombuffer(region_rows([region]), dtype="<i8").reshape(-1, 4)
+        assert rows.tolist() == [[region.region_id, region.start, 4096, -1]]
+    assert (mem_type(-1), mem_type(0), mem_type(3)) == ("DRAM", "VRAM", "VRAM")
+    descs = NixlConnection._descs(1000, np.array([[5, 7, 9]], np.int64), 1, 3)
+    assert descs.tolist() == [[1007, 9, 3]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none on this machine")
+def test_tcp_only_nixl_refuses_vram_and_the_full_list_registers_it() -> None:
+    gpu = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    with transport.create("nixl") as tcp:
+        with pytest.raises(CapabilityError, match="cannot register CUDA memory"):
+            tcp.register(gpu)
+    with transport.create("nixl-all") as full:
+        assert full.register(gpu).descriptor()["device"] == "cuda"
