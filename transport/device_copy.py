@@ -135,8 +135,20 @@ def plan_copy(table: np.ndarray) -> CopyPlan:
     return CopyPlan(rows[:0], tuple(batches))
 
 
-def _grid(t: torch.Tensor, g: int) -> torch.Tensor:
-    return t[: t.numel() // g * g].view(-1, g)
+def _grid(t: torch.Tensor, g: int, word: torch.dtype) -> torch.Tensor:
+    return t[: t.numel() // g * g].view(-1, g).view(word)
+
+
+def _word(src: torch.Tensor, dst: torch.Tensor, g: int) -> torch.dtype:
+    # The widest element both sides can be viewed as: index kernels move one
+    # element per thread (CUDA) or per inner step (CPU), so 8-byte words move
+    # a cell up to 8x faster than bytes. Needs g and both tensors' starts aligned.
+    for word in (torch.int64, torch.int32, torch.int16):
+        size = word.itemsize
+        if g % size == 0 and all(t.storage_offset() % size == 0 and t.data_ptr() % size == 0
+                                 for t in (src, dst)):
+            return word
+    return torch.uint8
 
 
 def run_copy(src: torch.Tensor, dst: torch.Tensor, plan: CopyPlan) -> None:
@@ -148,7 +160,8 @@ def run_copy(src: torch.Tensor, dst: torch.Tensor, plan: CopyPlan) -> None:
     for s, d, n in plan.slices.tolist():
         dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
     for b in plan.batches:
-        sgrid, dgrid = _grid(src, b.cell), _grid(dst, b.cell)
+        word = _word(src, dst, b.cell)
+        sgrid, dgrid = _grid(src, b.cell, word), _grid(dst, b.cell, word)
         if b.src_run is not None:
             a, k = b.src_run
             values = sgrid[a:a + k]
