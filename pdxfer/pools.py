@@ -142,7 +142,8 @@ class PoolSet:
         """
         cuda = [r for r in self.regions if r.device == "cuda"]
         if not cuda:
-            streams.capture(ready, "cpu")  # None passes; anything else is a clear error
+            if ready is not None:  # the common host case costs one comparison
+                streams.capture(ready, "cpu")  # raises the clear error
             return {}
         events: dict[torch.device, Any] = {}  # one event per device, shared by its regions
         for r in cuda:  # every backend's regions are `transport.regions.Region`s: .data is the tensor
