@@ -145,22 +145,33 @@ def nixl_between_processes(out_dir: Path, device: str, quick: bool, reps: int) -
                     proc.wait(10)
         for f in logs.values():
             f.close()
-    found = _carriers(out_dir / "nixl_tx.log") | _carriers(out_dir / "nixl_rx.log")
-    return {"tables": figures, "ucx_transports": sorted(found["names"]),
-            "ucx_evidence": found["lines"][:12], "logs": ["nixl_rx.log", "nixl_tx.log"]}
+    puts = _put_protocols(out_dir / "nixl_tx.log")
+    return {"tables": figures, "ucx_write_transports": sorted({t for p in puts for t in p["transports"]}),
+            "ucx_write_protocols": puts, "logs": ["nixl_rx.log", "nixl_tx.log"]}
 
 
-def _carriers(path: Path) -> dict:
-    # UCX's lane lines ("... cfg#N rma_bw(cuda_ipc/cuda) ...") and proto tables name the transports.
-    names, lines = set(), []
-    pattern = re.compile(r"\b(" + "|".join(UCX_TLS) + r")/")
+def _put_protocols(path: Path) -> list[dict]:
+    """What carried the writes: the sender's UCX_PROTO_INFO tables for `ucp_put*`.
+
+    Each table is headed "remote memory write by ucp_put* from <mem> memory to
+    <mem>" and lists `| range | description | config |` rows; the config
+    names the transport ("cma/memory", "cuda_ipc/cuda", "rc_mlx5/mlx5_0:1").
+    """
+    names = re.compile(r"\b(" + "|".join(UCX_TLS) + r")/")
+    out: list[dict] = []
+    what = None
     for line in path.read_text(errors="replace").splitlines():
-        if "cfg#" in line or "rma_bw" in line or "rendezvous" in line or "|" in line:
-            hits = pattern.findall(line)
-            if hits:
-                names.update(hits)
-                lines.append(line.strip()[-200:])
-    return {"names": names, "lines": lines}
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 1 and "remote memory write by ucp_put" in cells[0]:
+            what = cells[0].replace("remote memory write by ", "")
+        elif what and len(cells) == 3 and cells[0] != "Range":
+            row = {"what": what, "range": cells[0], "protocol": cells[1], "config": cells[2],
+                   "transports": sorted(set(names.findall(cells[2])))}
+            if row not in out:
+                out.append(row)
+        elif len(cells) == 1:
+            what = None  # another table begins
+    return out
 
 
 def _child(role: str, device: str, quick: bool, reps: int) -> int:
