@@ -146,3 +146,33 @@ def test_a_side_stream_producer_hands_over_an_event(backend: str) -> None:
         conn.write(s, d.descriptor(), table, notify=b"x", ready=ready).wait(30)
         assert landed.is_set()
         assert_landed(src.cpu().numpy(), dst.cpu().numpy(), table)  # Success: visible, no extra wait
+
+
+class _Event:
+    """Stands in for the CUDA event `capture` returns: only its identity is looked at here."""
+
+
+def test_the_event_captured_in_write_reaches_the_copy_on_the_io_thread(monkeypatch) -> None:
+    # The plumbing a GPU needs, on the host: tcp's bounce path (force_bounce)
+    # is the CUDA path's code; `capture` is what turns `ready` into an event
+    # on the caller's thread, and the copy must wait on exactly that one.
+    from pdxfer.transport import tcp_io, tcp_send
+
+    event, seen = _Event(), []
+    monkeypatch.setattr(tcp_send, "capture", lambda ready, device: event if ready == "R" else None)
+    gather = tcp_io.Bounce.gather
+    monkeypatch.setattr(tcp_io.Bounce, "gather", lambda self, src, rows, column, ready=None: (
+        seen.append((ready, threading.current_thread().name)), gather(self, src, rows, column))[1])
+    tx, rx = _engines(force_bounce=True, bounce_bytes=64 << 10)
+    try:
+        src = np.random.default_rng(4).integers(0, 256, 1 << 20, dtype=np.uint8)
+        dst = np.full(1 << 20, CANARY, dtype=np.uint8)
+        s, d = tx.register(torch.from_numpy(src)), rx.register(torch.from_numpy(dst))
+        table = random_table(np.random.default_rng(5), src.size, dst.size, 20, 30_000)
+        tx.connect(rx.address()).write(s, d.descriptor(), table, ready="R").wait(20)
+        assert_landed(src, dst, table)
+    finally:
+        tx.close()
+        rx.close()
+    assert seen and all(ready is event for ready, _ in seen)
+    assert all(name.startswith("tcp-send") for _, name in seen)  # waited on where it copies
