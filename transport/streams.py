@@ -55,8 +55,9 @@ def capture(ready: Ready, device: torch.device | str) -> Any:
     for CUDA memory the caller's event, an event recorded now on the
     caller's stream, or — `ready=None` — one recorded now on the current stream.
     """
-    device = torch.device(device)
-    if device.type != "cuda":
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda":  # every host write passes here: no allocation on this path
         if ready is not None:
             raise CapabilityError(
                 f"ready={type(ready).__name__} was given for {device.type} memory; readiness "
