@@ -35,9 +35,13 @@ pyverbs: setup
 
 # The prepared GPU check (examples/gpu_check.py): a few minutes on one GPU, no NIC
 # needed; JSON + markdown + UCX logs land in GPU_CHECK_OUT. Refuses without CUDA.
+# Not tied to `setup`: that venv pins the CPU torch. On a GPU machine use an
+# environment whose torch has CUDA, with pdxfer installed in it (pip install -e .
+# --no-deps; nixl-cu12 for the nixl section): make gpu-check GPU_PY=python3
 GPU_CHECK_OUT ?= docs/gpu-check
-gpu-check: setup
-	$(PY) -m examples.gpu_check --out $(GPU_CHECK_OUT)
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_PY) -m examples.gpu_check --out $(GPU_CHECK_OUT)
 
 lint: setup
 	$(VENV)/bin/ruff check .
