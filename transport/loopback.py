@@ -52,7 +52,7 @@ from .base import (
 )
 from .copying import CopyPool
 from .device_copy import copy_rows
-from .errors import ClosedError, PeerLostError, RegistrationError, TransportError
+from .errors import CapabilityError, ClosedError, PeerLostError, RegistrationError, TransportError
 from .handles import Handle
 from .regions import Region, RegionTable, check_descriptor
 from .segments import as_table, check_notify, check_table
@@ -121,6 +121,13 @@ class LoopbackConnection(Connection):
             raise RegistrationError(
                 f"descriptor says region {region_id} has {length} B but it has {dst.length} B; "
                 "the descriptor is stale or was edited"
+            )
+        if src.device == dst.device == "cuda" and src.data.device != dst.data.device:
+            # One copy stream orders one device's work; a peer copy would also
+            # run on the other device's current stream (the model's), unordered.
+            raise CapabilityError(
+                f"loopback copies between two CUDA devices ({src.data.device} -> "
+                f"{dst.data.device}) are not supported; register both regions on one device"
             )
         table = as_table(segments)
         nbytes = check_table(table, src.length, dst.length)

@@ -176,3 +176,12 @@ def test_the_event_captured_in_write_reaches_the_copy_on_the_io_thread(monkeypat
         rx.close()
     assert seen and all(ready is event for ready, _ in seen)
     assert all(name.startswith("tcp-send") for _, name in seen)  # waited on where it copies
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices; this machine has none")
+def test_loopback_refuses_copies_between_two_cuda_devices() -> None:
+    with transport.create("loopback") as tx, transport.create("loopback") as rx:
+        s = tx.register(torch.zeros(4096, dtype=torch.uint8, device="cuda:0"))
+        d = rx.register(torch.zeros(4096, dtype=torch.uint8, device="cuda:1"))
+        with pytest.raises(CapabilityError, match="between two CUDA devices"):
+            tx.connect(rx.address()).write(s, d.descriptor(), np.array([[0, 0, 16]]))
