@@ -77,6 +77,7 @@ class PoolSet:
         self.regions: list[LocalRegion] = []
         self.buffers: dict[str, list[tuple[int, int]]] = {}
         self._register(engine)
+        self.cuda_regions = [r for r in self.regions if r.device == "cuda"]  # what `readiness` covers
 
     def _register(self, engine: TransportEngine) -> None:
         bufs = {name: layout.arena_buffers(a) for name, a in self.arenas.items()}
@@ -140,7 +141,7 @@ class PoolSet:
         get nothing; `ready` for pools that are all host memory is refused
         (`transport.streams.capture`).
         """
-        cuda = [r for r in self.regions if r.device == "cuda"]
+        cuda = self.cuda_regions
         if not cuda:
             if ready is not None:  # the common host case costs one comparison
                 streams.capture(ready, "cpu")  # raises the clear error
