@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.pdxfer-installed
 # satisfied instead of pulling a CUDA build of its own.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench clean pyverbs
+.PHONY: setup demo test lint bench clean pyverbs gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,16 @@ test: setup
 # system-wide); the tests fetch it themselves too, this only does it ahead of time.
 pyverbs: setup
 	$(PY) tests/transport/pyverbs_prefix.py
+
+# The prepared GPU check (examples/gpu_check.py): a few minutes on one GPU, no NIC
+# needed; JSON + markdown + UCX logs land in GPU_CHECK_OUT. Refuses without CUDA.
+# Not tied to `setup`: that venv pins the CPU torch. On a GPU machine use an
+# environment whose torch has CUDA, with pdxfer installed in it (pip install -e .
+# --no-deps; nixl-cu12 for the nixl section): make gpu-check GPU_PY=python3
+GPU_CHECK_OUT ?= docs/gpu-check
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_PY) -m examples.gpu_check --out $(GPU_CHECK_OUT)
 
 lint: setup
 	$(VENV)/bin/ruff check .

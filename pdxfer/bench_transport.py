@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     br.add_output_args(parser)
     args = parser.parse_args(argv)
     total = (32 if args.quick else args.total_mib) * MiB
-    installed = transport.available()
+    installed = transport.available() + transport.variants()  # nixl-all: UCX's full list
     backends = installed if args.backends is None else [b for b in args.backends.split(",") if b]
     unknown = set(backends) - set(installed)
     if unknown:

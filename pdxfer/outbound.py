@@ -36,11 +36,15 @@ _EMPTY = np.empty((0, 3), dtype=np.int64)
 class Chunk:
     """One `send()`: source indices per pool, whether it is the last, whether a checkpoint."""
 
-    __slots__ = ("checkpoint", "indices", "last", "parts")
+    __slots__ = ("checkpoint", "indices", "last", "parts", "ready")
 
-    def __init__(self, indices: dict[str, np.ndarray], last: bool, checkpoint: bool) -> None:
+    def __init__(self, indices: dict[str, np.ndarray], last: bool, checkpoint: bool,
+                 ready: dict | None = None) -> None:
         self.indices, self.last, self.checkpoint = indices, last, checkpoint
         self.parts: list | None = None  # planned at send() when it posts at once
+        # CUDA region -> the event its bytes wait for, captured on the caller's
+        # thread at send() (`PoolSet.readiness`): posting may happen later, elsewhere.
+        self.ready = ready or {}
 
 
 class PrefillRequest(Request):
@@ -169,7 +173,7 @@ def plan_chunk(req: PrefillRequest, chunk: Chunk, pools: PoolSet) -> list[tuple[
 
 
 def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], last: bool,
-               conn: Connection) -> None:
+               conn: Connection, ready: dict | None = None) -> None:
     """Post the chunk's transfers, each carrying its `Landed` notify; raises `TransportError`."""
     number = req.next_chunk
     req.next_chunk += 1
@@ -177,7 +181,8 @@ def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], l
     for i, (region, remote, table) in enumerate(parts):
         nbytes = int(np.add.reduce(table[:, 2]))  # not .sum(): skips numpy's Python wrapper
         notify = landed_payload(req.id, req.life.xid, number, i, total, last, nbytes, len(table))
-        req.handles.append(conn.write(region, remote, table, notify))
+        req.handles.append(conn.write(region, remote, table, notify,
+                                      ready=ready.get(region) if ready else None))
         req.nbytes += nbytes
         req.segments += len(table)
         req.transfers += 1

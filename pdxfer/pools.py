@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from pdxfer import layout
+from pdxfer.transport import streams
 from pdxfer.transport.base import LocalRegion, TransportEngine
 from pdxfer.transport.errors import ProtocolError, RegistrationError
 
@@ -76,6 +77,7 @@ class PoolSet:
         self.regions: list[LocalRegion] = []
         self.buffers: dict[str, list[tuple[int, int]]] = {}
         self._register(engine)
+        self.cuda_regions = [r for r in self.regions if r.device == "cuda"]  # what `readiness` covers
 
     def _register(self, engine: TransportEngine) -> None:
         bufs = {name: layout.arena_buffers(a) for name, a in self.arenas.items()}
@@ -129,6 +131,26 @@ class PoolSet:
             raise
         self.buffers = {name: [(i, ptr - spans_in[i][0]) if i >= 0 else (i, 0) for i, ptr in bufs_]
                         for name, bufs_ in placed.items()}
+
+    def readiness(self, ready: Any) -> dict[LocalRegion, Any]:
+        """The event each CUDA region's bytes wait for, captured now on the caller's thread.
+
+        Exists because `send()` may post later, on the progress thread, whose
+        current stream is not the caller's: the default (`ready=None`: the
+        caller's current stream) must be recorded at send time. Host regions
+        get nothing; `ready` for pools that are all host memory is refused
+        (`transport.streams.capture`).
+        """
+        cuda = self.cuda_regions
+        if not cuda:
+            if ready is not None:  # the common host case costs one comparison
+                streams.capture(ready, "cpu")  # raises the clear error
+            return {}
+        events: dict[torch.device, Any] = {}  # one event per device, shared by its regions
+        for r in cuda:  # every backend's regions are `transport.regions.Region`s: .data is the tensor
+            if r.data.device not in events:
+                events[r.data.device] = streams.capture(ready, r.data.device)
+        return {r: events[r.data.device] for r in cuda}
 
     def hello_fields(self) -> dict[str, Any]:
         """What a Hello (decode) says about these pools: descriptions, buffers, regions."""

@@ -84,16 +84,20 @@ class PrefillEngine(DecodePeers, Engine):
 
     # -- the public calls ---------------------------------------------------------
     def send(self, request_id: str, indices: Mapping[str, Any], *, last: bool = True,
-             checkpoint: bool = False) -> None:
+             checkpoint: bool = False, ready: Any = None) -> None:
         """Ship `indices` (source entries per pool) of a request, or queue them until decode expects it.
 
         Raises `RequestError`/`LayoutError` for bad input before anything moves;
         a send for a request that already failed is ignored (poll/wait report
         the failure); one after the last chunk, or after Success, is refused.
         Never waits on the network: a peer still (re)connecting queues the chunk.
+        `ready` (CUDA pools): the `torch.cuda.Event` or stream after which these
+        entries are final; None records the caller's current stream now
+        (`transport.streams` has the contract; host pools take None).
         """
         rid = check_request_id(request_id)
-        chunk = Chunk(chunk_indices(self._pools, rid, indices), bool(last), bool(checkpoint))
+        chunk = Chunk(chunk_indices(self._pools, rid, indices), bool(last), bool(checkpoint),
+                      self._pools.readiness(ready))
         now = time.monotonic()
         with self._lock:
             self._check_open()
@@ -158,7 +162,7 @@ class PrefillEngine(DecodePeers, Engine):
         now = time.monotonic()
         try:
             parts = chunk.parts if chunk.parts is not None else plan_chunk(req, chunk, self._pools)
-            post_parts(req, parts, chunk.last, session.conn)
+            post_parts(req, parts, chunk.last, session.conn, chunk.ready)
         except (RequestError, LayoutError, TransportError) as exc:
             where = "" if isinstance(exc, (RequestError, LayoutError)) else f"posting to decode {session.engine} failed: "
             self._apply(req, req.life.on_post_failed(f"{where}{exc}", exc, now, bool(unfinished(req.handles))))

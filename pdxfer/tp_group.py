@@ -218,11 +218,11 @@ class HeteroTPPrefill(_Group):
         super().__init__(engine, pools)
 
     def send(self, request_id: str, indices: Mapping[str, Any], *, decode_tp: int,
-             last: bool = True, checkpoint: bool = False) -> None:
+             last: bool = True, checkpoint: bool = False, ready: Any = None) -> None:
         """Send this rank's part of `request_id` to every decode rank it contributes to.
 
-        Call it like `PrefillEngine.send` (once per chunk); `decode_tp` is the
-        decode group's TP size, which the router knows.
+        Call it like `PrefillEngine.send` (once per chunk, `ready` as there);
+        `decode_tp` is the decode group's TP size, which the router knows.
         """
         rid = check_request_id(request_id)
         if isinstance(decode_tp, bool) or not isinstance(decode_tp, int) or decode_tp < 1:
@@ -244,4 +244,4 @@ class HeteroTPPrefill(_Group):
         elif known != subs:
             raise RequestError(f"send({rid!r}): decode_tp changed between chunks")
         for q, sub in zip(sorted(plan), subs, strict=True):
-            self.engine.send(sub, plan[q], last=last, checkpoint=checkpoint)
+            self.engine.send(sub, plan[q], last=last, checkpoint=checkpoint, ready=ready)

@@ -23,7 +23,7 @@ from .errors import (
     TransferTimeout,
     TransportError,
 )
-from .registry import available, create
+from .registry import available, create, variants
 
 __all__ = [
     "BoundsError",
@@ -42,4 +42,5 @@ __all__ = [
     "TransportError",
     "available",
     "create",
+    "variants",
 ]

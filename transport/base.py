@@ -89,12 +89,17 @@ class Connection(abc.ABC):
         remote: dict[str, Any],
         segments: np.ndarray,
         notify: bytes | None = None,
+        *,
+        ready: Any = None,
     ) -> TransferHandle:
         """Post the whole segment table as one transfer, local → remote.
 
         Every segment is checked against both regions before a byte moves
         (`BoundsError`); `notify`, if given, is delivered to the peer's
         notify handler after every byte of this transfer has landed.
+        `ready`: for a CUDA source, the `torch.cuda.Event` (or stream) after
+        which its bytes are final; None records the caller's current stream
+        now. Host memory takes None. The contract: `transport.streams`.
         """
 
     def read(

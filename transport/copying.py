@@ -33,7 +33,7 @@ What costs time, measured on a 2-vCPU VM (numpy 2, glibc), and the answer to eac
 No byte outside a row is written: every copy, slice or fancy-indexed, has
 exactly the row's length, at the row's destination offset.
 
-Deliberately absent: CUDA memory (loopback uses `torch.Tensor.copy_` for it)
+Deliberately absent: CUDA memory (loopback sends it to `device_copy`)
 and splitting one large row over threads (see above; revisit if a machine's
 memcpy never takes the non-temporal path).
 """

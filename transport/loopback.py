@@ -19,8 +19,10 @@ tables between the worker thread and a few helper threads that claim
 batches from one list; its module docstring has the measurements behind
 each step. A copy in progress always finishes on every thread before the
 worker releases the landing lock, so the fence covers helpers too.
-Anything involving CUDA memory goes through `torch.Tensor.copy_` per row and
-one stream synchronise at the end of the transfer.
+Anything involving CUDA memory goes through `device_copy` (a few batched
+ops per table) on the connection's own copy stream, after the producer's
+`ready` event; the transfer completes once that stream's event says those
+copies landed (`transport.streams`) — never a device-wide synchronise.
 
 Deliberately absent: `read` (pull) — nothing needs it yet; a cross-process
 mode — that is what tcp is for.
@@ -49,10 +51,12 @@ from .base import (
     TransportEngine,
 )
 from .copying import CopyPool
-from .errors import ClosedError, PeerLostError, RegistrationError, TransportError
+from .device_copy import copy_rows
+from .errors import CapabilityError, ClosedError, PeerLostError, RegistrationError, TransportError
 from .handles import Handle
 from .regions import Region, RegionTable, check_descriptor
 from .segments import as_table, check_notify, check_table
+from .streams import CopyStream, capture, cuda_device
 
 log = logging.getLogger(__name__)
 # How long close() waits for each thread it started (a copy in flight finishes first).
@@ -62,20 +66,13 @@ JOIN_TIMEOUT = 10.0
 _ENGINES: weakref.WeakValueDictionary[str, LoopbackEngine] = weakref.WeakValueDictionary()
 
 
-def _copy_torch(src: torch.Tensor, dst: torch.Tensor, rows: np.ndarray) -> None:
-    for s, d, n in rows.tolist():
-        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
-    for t in (src, dst):
-        if t.device.type == "cuda":
-            torch.cuda.synchronize(t.device)
-
-
 class _Transfer:
-    __slots__ = ("dst", "handle", "notify", "src", "table")
+    __slots__ = ("dst", "handle", "notify", "ready", "src", "table")
 
     def __init__(self, handle: Handle, src: Region, dst: Region, table: np.ndarray,
-                 notify: bytes | None) -> None:
+                 notify: bytes | None, ready: Any) -> None:
         self.handle, self.src, self.dst, self.table, self.notify = handle, src, dst, table, notify
+        self.ready = ready
 
 
 class LoopbackConnection(Connection):
@@ -91,6 +88,7 @@ class LoopbackConnection(Connection):
         self._ids = itertools.count(1)
         # id(descriptor) -> (descriptor, region, length, backend, engine): see `_remote`.
         self._remotes: dict[int, tuple[Any, ...]] = {}
+        self._copy_stream = CopyStream()  # this worker's own CUDA stream(s)
         self._worker = threading.Thread(
             target=self._run, name=f"loopback {owner.engine_id}->{peer.engine_id}", daemon=True
         )
@@ -106,6 +104,8 @@ class LoopbackConnection(Connection):
         remote: dict[str, Any],
         segments: np.ndarray,
         notify: bytes | None = None,
+        *,
+        ready: Any = None,
     ) -> TransferHandle:
         if self._error is not None:
             raise self._error
@@ -122,14 +122,22 @@ class LoopbackConnection(Connection):
                 f"descriptor says region {region_id} has {length} B but it has {dst.length} B; "
                 "the descriptor is stale or was edited"
             )
+        if src.device == dst.device == "cuda" and src.data.device != dst.data.device:
+            # One copy stream orders one device's work; a peer copy would also
+            # run on the other device's current stream (the model's), unordered.
+            raise CapabilityError(
+                f"loopback copies between two CUDA devices ({src.data.device} -> "
+                f"{dst.data.device}) are not supported; register both regions on one device"
+            )
         table = as_table(segments)
         nbytes = check_table(table, src.length, dst.length)
         payload = check_notify(notify)
+        event = capture(ready, src.data.device)
         handle = Handle(nbytes, f"loopback transfer {next(self._ids)} to {self._peer.engine_id}")
         with self._cond:
             if self._error is not None:
                 raise self._error
-            self._queue.append(_Transfer(handle, src, dst, table, payload))
+            self._queue.append(_Transfer(handle, src, dst, table, payload, event))
             self._cond.notify()
         return handle
 
@@ -167,7 +175,7 @@ class LoopbackConnection(Connection):
                     if self._error is not None:
                         item.handle.fail(self._error)
                         return
-                    self._owner._move(item.src, item.dst, item.table)
+                    self._owner._move(item.src, item.dst, item.table, item.ready, self._copy_stream)
             except Exception as exc:  # a copy failing is a bug or a device fault
                 if self._owner._closed:  # a copy failing during close is reported as the close
                     item.handle.fail(ClosedError(f"{item.handle.what}: engine closed"))
@@ -305,11 +313,15 @@ class LoopbackEngine(TransportEngine):
             conn.sever(PeerLostError(f"engine {self.engine_id} dropped peer {engine_id} (fence)"))
 
     # -- data movement ------------------------------------------------------
-    def _move(self, src: Region, dst: Region, table: np.ndarray) -> None:
+    def _move(self, src: Region, dst: Region, table: np.ndarray, ready: Any,
+              stream: CopyStream) -> None:
         if table.shape[0] == 0:
             return
         if src.array is None or dst.array is None:
-            _copy_torch(src.data, dst.data, table)
+            # After the producer's event, on this link's copy stream, a few
+            # batched ops; returns once exactly those landed (transport.streams).
+            stream.run(cuda_device(src.data, dst.data), ready,
+                       lambda: copy_rows(src.data, dst.data, table))
             return
         self._copier.copy(src.array, dst.array, table)
 

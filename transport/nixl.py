@@ -27,19 +27,28 @@ UCX worker per inbound link. `tls` is an option so a deployment that does
 not need the fence may widen it; `drop_peer` then refuses with
 `CapabilityError` rather than pretend.
 
-Capabilities: host memory only (`cuda_memory=False`: VRAM needs UCX's cuda
-transports, which this configuration leaves out and this machine lacks);
-`one_sided=False`, honestly: over tcp the receiver's progress copies the
-bytes off the socket. Deliberately absent: `read` (nothing needs it yet).
+Capabilities, per instance: with `tls="tcp"` host memory only
+(`cuda_memory=False`); with `tls="all"` (or None: UCX's full list — cma,
+cuda_copy, cuda_ipc, rc/dc where present) CUDA tensors register as VRAM,
+once, on every agent, and descriptors say VRAM or DRAM from the region's
+device (`nixl_wire.mem_type`), so VRAM→VRAM between processes on one GPU
+goes over cuda_ipc — and `drop_peer` refuses, as above. `one_sided=False`,
+honestly for tcp (the receiver's progress copies the bytes off the socket).
+CUDA sources: UCX reads them itself, so a write stays in the progress
+thread's post queue until the producer's `ready` event is reached (`_post`);
+no thread blocks on it.
+Deliberately absent: `read` (nothing needs it yet).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import socket
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -47,7 +56,14 @@ import numpy as np
 import torch
 
 from .base import Capabilities, LocalRegion, NotifyHandler, TransportEngine
-from .errors import CapabilityError, ClosedError, PeerLostError, RegistrationError, TransportError
+from .errors import (
+    CapabilityError,
+    ClosedError,
+    PeerLostError,
+    RegistrationError,
+    TransferTimeout,
+    TransportError,
+)
 from .listener import DEFAULT_MAX_PENDING, Listener, Slot
 from .nixl_conn import NixlConnection
 from .nixl_peer import InboundPeer
@@ -61,6 +77,15 @@ log = logging.getLogger(__name__)
 # UCX transport lists under which only our own progress calls write into our
 # memory, so drop_peer can fence (see the module docstring).
 FENCEABLE_TLS = frozenset({"tcp", "tcp,self", "self,tcp"})
+# `tls` for UCX's full list (its own default, "all"): cma/sysv/posix shared
+# memory, cuda_copy and cuda_ipc for VRAM, rc/dc/ud where a NIC exists.
+FULL_TLS = "all"
+
+
+def cuda_tls(tls: str) -> bool:
+    """Whether UCX transports `tls` can move VRAM: the full list, or one naming a cuda transport."""
+    names = {t.strip() for t in tls.split(",")}
+    return tls == FULL_TLS or any(t.startswith("cuda") or t in ("gdr_copy", "rc", "dc") for t in names)
 
 
 class _Send:
@@ -88,19 +113,24 @@ class NixlEngine(SocketPeers, TransportEngine):
         port: int = 0,
         streams: int | None = None,
         *,
-        tls: str = "tcp",
+        tls: str | None = "tcp",
         connect_timeout: float = 10.0,
         max_pending: int = DEFAULT_MAX_PENDING,
     ) -> None:
         """`host`/`port`: the control listener. `streams` is accepted like every backend's
-        common option and unused: UCX decides its own lanes. `tls`: the UCX transports.
+        common option and unused: UCX decides its own lanes. `tls`: the UCX transports
+        ("tcp", fenceable; "all" or None: UCX's full list, VRAM-capable, no fence).
         `connect_timeout` bounds our connects and every inbound handshake;
         `max_pending` caps inbound connections still in their handshake."""
         del streams
         self.engine_id = f"nixl-{uuid.uuid4().hex[:12]}"
-        self.tls = tls
+        self.tls = FULL_TLS if tls is None else tls
+        # Per instance: VRAM only with UCX's cuda transports (capabilities of the class: tcp's).
+        self.capabilities = dataclasses.replace(
+            type(self).capabilities, cuda_memory=cuda_tls(self.tls), cuda_zero_copy=cuda_tls(self.tls),
+            one_sided=self.tls not in FENCEABLE_TLS)
         self.connect_timeout = connect_timeout
-        self.regions = RegionTable(self.name, self.engine_id, cuda=False)
+        self.regions = RegionTable(self.name, self.engine_id, cuda=self.capabilities.cuda_memory)
         self._lock = threading.Lock()  # engine state: regions, links, closed
         self._closed = False
         self._handler: NotifyHandler | None = None
@@ -112,7 +142,7 @@ class NixlEngine(SocketPeers, TransportEngine):
         self._agent_lock = threading.Lock()  # every NIXL call on the initiating agent
         # UCX listens on every interface it may use: keep it on the one `host` names
         self.device = interface_of(host)
-        self._agent = make_agent(self.engine_id, tls, self.device)
+        self._agent = make_agent(self.engine_id, self.tls, self.device)
         self._regs: dict[int, Any] = {}
         self._sends: list[_Send] = []
         # writes handed over by callers, posted by the progress thread (see _post)
@@ -243,7 +273,8 @@ class NixlEngine(SocketPeers, TransportEngine):
 
     # -- outbound transfers (called by NixlConnection and Progress) ----------
     def _post(self, conn: NixlConnection, seq: int, local: np.ndarray | None,
-              remote: np.ndarray | None, note: bytes) -> None:
+              remote: np.ndarray | None, note: bytes, mems: tuple[str, str] = ("DRAM", "DRAM"),
+              ready: Any = None) -> None:
         """Queue one write (or, with no descriptors, a notify alone) for the progress thread.
 
         The caller never takes the agent lock: NIXL calls on the one initiating
@@ -253,9 +284,13 @@ class NixlEngine(SocketPeers, TransportEngine):
         out, so posts are handed over in order and made on the progress thread,
         which already holds the agent for every poll. A post NIXL refuses fails
         that write's handle (the link too when NIXL says it is broken).
+        `ready`: the producer's CUDA event (`streams.capture`); UCX reads the
+        source itself, so the post waits in the queue until the event is
+        reached — no thread blocks on it — or fails past `connect_timeout`.
         """
         self._check_agent()
-        self._posts.append((conn, seq, local, remote, note))
+        deadline = time.monotonic() + self.connect_timeout if ready is not None else 0.0
+        self._posts.append((conn, seq, local, remote, note, mems, ready, deadline))
         self._progress.kick()
 
     def _make_posts(self) -> tuple[list[tuple[NixlConnection, int, TransportError]], bool]:
@@ -265,21 +300,31 @@ class NixlEngine(SocketPeers, TransportEngine):
         """
         posts, refused = [], []
         while self._posts:
-            posts.append(self._posts.popleft())
+            item = self._posts[0]
+            ready, deadline = item[6], item[7]
+            if ready is not None and not ready.query():
+                if time.monotonic() <= deadline:
+                    break  # later posts wait too: they keep their order
+                refused.append((item[0], item[1], TransferTimeout(
+                    f"a write to {item[0].peer}: the producer's CUDA event was not reached within "
+                    f"{self.connect_timeout} s; record `ready` after the work that writes the source")))
+            else:
+                posts.append(item)
+            self._posts.popleft()
         if not posts:
-            return refused, False
+            return refused, bool(refused) or bool(self._posts)
         with self._agent_lock:
             if self._agent is None:
                 return refused, True  # closing: close() fails every link's handles
-            for conn, seq, local, remote, note in posts:
+            for conn, seq, local, remote, note, mems, _, _ in posts:
                 if conn.dead:
                     continue  # its handles already failed with the link's error
                 try:
                     if local is None:
                         self._agent.send_notif(conn.agent, note)
                         continue
-                    ls = self._agent.get_xfer_descs(local, "DRAM")
-                    rs = self._agent.get_xfer_descs(remote, "DRAM")
+                    ls = self._agent.get_xfer_descs(local, mems[0])
+                    rs = self._agent.get_xfer_descs(remote, mems[1])
                     xfer = self._agent.initialize_xfer("WRITE", ls, rs, conn.agent, note)
                     state = self._agent.transfer(xfer)
                 except Exception as exc:
@@ -389,3 +434,20 @@ class NixlEngine(SocketPeers, TransportEngine):
         self._live.clear()
         self._retired.clear()
 
+
+
+class NixlFullEngine(NixlEngine):
+    """The nixl backend with UCX's full transport list (`tls="all"`) by default.
+
+    A registry entry of its own so the conformance suite and `pdxfer bench
+    transport` run it beside nixl-over-tcp: cma on one host here, cuda_ipc
+    and cuda_copy for VRAM on a GPU, rc/dc with a NIC. It cannot fence a
+    peer (`drop_peer` raises `CapabilityError`). Same wire and descriptors
+    as `nixl` (`name` stays "nixl"): the two interoperate.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, streams: int | None = None, *,
+                 tls: str | None = FULL_TLS, connect_timeout: float = 10.0,
+                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
+        super().__init__(host, port, streams, tls=tls, connect_timeout=connect_timeout,
+                         max_pending=max_pending)

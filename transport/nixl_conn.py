@@ -35,9 +35,21 @@ from .base import Connection, LocalRegion, TransferHandle
 from .control_link import ControlLink
 from .errors import PeerLostError, ProtocolError, RegistrationError, TransportError
 from .handles import Handle
-from .nixl_wire import CONTROL, Acks, Hello, Regions, Welcome, ints, pack_note, recv_control
+from .nixl_peer import gpu_of
+from .nixl_wire import (
+    CONTROL,
+    Acks,
+    Hello,
+    Regions,
+    Welcome,
+    ints,
+    mem_type,
+    pack_note,
+    recv_control,
+)
 from .regions import check_descriptor
 from .segments import as_table, check_notify, check_table
+from .streams import capture
 from .wire import ErrorMessage
 
 if TYPE_CHECKING:
@@ -86,9 +98,9 @@ class NixlConnection(ControlLink, Connection):
         self._reader.start()
 
     @staticmethod
-    def _table(data: bytes) -> dict[int, tuple[int, int]]:
-        rows = ints(data, 3, "region list")
-        return {int(r): (int(a), int(n)) for r, a, n in rows.tolist()}
+    def _table(data: bytes) -> dict[int, tuple[int, int, int]]:
+        rows = ints(data, 4, "region list")
+        return {int(r): (int(a), int(n), int(g)) for r, a, n, g in rows.tolist()}
 
     # -- writes ---------------------------------------------------------------
     def write(
@@ -97,13 +109,15 @@ class NixlConnection(ControlLink, Connection):
         remote: dict[str, Any],
         segments: np.ndarray,
         notify: bytes | None = None,
+        *,
+        ready: Any = None,
     ) -> TransferHandle:
         if self._error is not None:
             raise self._error
         engine = self._engine
         src = engine.regions.local(local)
         region_id, length = check_descriptor(remote, "nixl", self.peer)
-        base, dst_length = self._resolve(region_id)
+        base, dst_length, dst_gpu = self._resolve(region_id)
         if dst_length != length:
             raise RegistrationError(
                 f"descriptor says region {region_id} has {length} B but it has {dst_length} B; "
@@ -112,6 +126,8 @@ class NixlConnection(ControlLink, Connection):
         table = as_table(segments)
         nbytes = check_table(table, src.length, dst_length)
         payload = check_notify(notify)
+        # UCX reads the source itself: the post waits in the engine's queue for this event
+        event = capture(ready, src.data.device)
         seq = next(self._seqs)
         handle = Handle(nbytes, f"nixl transfer {seq} to {self.peer}")
         with self._lock:
@@ -120,8 +136,10 @@ class NixlConnection(ControlLink, Connection):
             self._pending[seq] = handle  # before posting: the ack may beat us back
         try:
             if table.shape[0]:
-                engine._post(self, seq, self._descs(src.start, table, 0), self._descs(base, table, 1),
-                             pack_note(seq, payload))
+                src_gpu = gpu_of(src)
+                engine._post(self, seq, self._descs(src.start, table, 0, src_gpu),
+                             self._descs(base, table, 1, dst_gpu), pack_note(seq, payload),
+                             (mem_type(src_gpu), mem_type(dst_gpu)), event)
             else:
                 engine._post(self, seq, None, None, pack_note(seq, payload))
         except BaseException:
@@ -131,11 +149,12 @@ class NixlConnection(ControlLink, Connection):
         return handle
 
     @staticmethod
-    def _descs(base: int, table: np.ndarray, col: int) -> np.ndarray:
+    def _descs(base: int, table: np.ndarray, col: int, gpu: int) -> np.ndarray:
         """NIXL's `(address, length, device)` rows for one side of `table`, by array arithmetic."""
         out = np.zeros((table.shape[0], 3), dtype=np.uint64)
         out[:, 0] = table[:, col] + base
         out[:, 1] = table[:, 2]
+        out[:, 2] = max(gpu, 0)  # host rows name device 0, as NIXL's own DRAM descriptors do
         return out
 
     # -- the control link's hooks (control_link.ControlLink) -------------------

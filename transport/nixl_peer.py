@@ -57,9 +57,15 @@ SEND_TIMEOUT = 5.0
 
 
 def region_rows(regions: list[Region]) -> bytes:
-    """`(region_id, address, length)` rows as raw little-endian int64 bytes."""
-    rows = np.array([[r.region_id, r.start, r.length] for r in regions], dtype="<i8").reshape(-1, 3)
+    """`(region_id, address, length, gpu)` rows as raw little-endian int64 bytes (gpu -1: host)."""
+    rows = np.array([[r.region_id, r.start, r.length, gpu_of(r)] for r in regions],
+                    dtype="<i8").reshape(-1, 4)
     return rows.tobytes()
+
+
+def gpu_of(region: Region) -> int:
+    """The CUDA device index of a region, -1 for host memory: what NIXL's VRAM descriptors name."""
+    return -1 if region.device != "cuda" else int(region.data.device.index or 0)
 
 
 class InboundPeer(ControlPeer):

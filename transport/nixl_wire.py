@@ -55,7 +55,7 @@ for _handler in list(_nixl_log.handlers):
 _nixl_log.propagate = True
 _nixl_log.setLevel(logging.WARNING)
 
-VERSION = 1
+VERSION = 2  # 2: region rows carry the CUDA device (-1: host)
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Welcome:
     engine: str
     agent: str
     metadata: bytes  # the serving agent's full NIXL metadata
-    regions: bytes  # little-endian int64 rows (region_id, address, length)
+    regions: bytes  # little-endian int64 rows (region_id, address, length, gpu; -1 host)
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,11 @@ def _addresses(name: str) -> set[Any]:
     except OSError:
         pass
     return out
+
+
+def mem_type(gpu: int) -> str:
+    """NIXL's memory type for a region on CUDA device `gpu` (-1: host memory)."""
+    return "DRAM" if gpu < 0 else "VRAM"
 
 
 def make_agent(name: str, tls: str, device: str | None = None) -> nixl_agent:

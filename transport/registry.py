@@ -20,6 +20,7 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "loopback": (".loopback", "LoopbackEngine", "built in"),
     "tcp": (".tcp", "TcpEngine", "built in"),
     "nixl": (".nixl", "NixlEngine", "pip install nixl-cu12 (bundles UCX)"),
+    "nixl-all": (".nixl", "NixlFullEngine", "pip install nixl-cu12 (bundles UCX)"),
     "verbs": (".verbs_hw", "VerbsEngine", "python3-pyverbs and an ACTIVE RDMA port"),
     "verbs-sim": (".verbs", "SoftVerbsEngine", "built in: the software verbs fabric"),
 }
@@ -37,16 +38,29 @@ def _load(name: str) -> type[TransportEngine]:
         raise CapabilityError(f"transport {name!r} is not installed ({hint}): {exc}") from exc
 
 
+# Configured variants of a backend (name -> the backend it configures): made
+# by name like any backend, but not in `available()`, so suites that run over
+# every backend (the engine's) do not run each twice. The transport
+# conformance suite and `pdxfer bench transport` add them (`variants()`).
+_VARIANTS = {"nixl-all": "nixl"}  # UCX's full transport list: cannot fence
+
+
 def available() -> list[str]:
-    """Names of the backends that import on this machine."""
-    out = []
-    for name in _BACKENDS:
-        try:
-            _load(name)
-        except CapabilityError:
-            continue
-        out.append(name)
-    return out
+    """Names of the backends that import on this machine (variants excluded: see `variants`)."""
+    return [name for name in _BACKENDS if name not in _VARIANTS and _importable(name)]
+
+
+def variants() -> list[str]:
+    """Names of the configured variants whose backend imports here (e.g. `nixl-all`)."""
+    return [name for name in _VARIANTS if name in _BACKENDS and _importable(name)]
+
+
+def _importable(name: str) -> bool:
+    try:
+        _load(name)
+    except CapabilityError:
+        return False
+    return True
 
 
 def options(name: str) -> tuple[frozenset[str], frozenset[str]]:

@@ -27,6 +27,7 @@ import os
 import socket
 import threading
 import uuid
+import weakref
 
 import torch
 
@@ -35,6 +36,7 @@ from .errors import ClosedError, PeerLostError, ProtocolError, TransportError
 from .listener import DEFAULT_MAX_PENDING, Listener, Slot
 from .peering import SocketPeers
 from .regions import RegionTable
+from .tcp_io import Bounce
 from .tcp_recv import MAX_STREAMS, InboundStream, LinkState
 from .tcp_send import TcpConnection, tune
 
@@ -80,6 +82,10 @@ class TcpEngine(SocketPeers, TransportEngine):
         self.bounce_bytes = bounce_bytes
         self.force_bounce = force_bounce
         self.pinned = torch.cuda.is_available()
+        # Every stream's bounce buffer, allocated up front once this engine
+        # holds CUDA memory (or force_bounce): see `new_bounce`.
+        self._bounces: weakref.WeakSet[Bounce] = weakref.WeakSet()
+        self._bouncing = force_bounce
         self.connect_timeout = connect_timeout
         self.regions = RegionTable(self.name, self.engine_id, cuda=True)
         self._lock = threading.Lock()
@@ -99,7 +105,29 @@ class TcpEngine(SocketPeers, TransportEngine):
     # -- memory -------------------------------------------------------------
     def register(self, tensor: torch.Tensor) -> LocalRegion:
         self._check_open()
-        return self.regions.register(tensor)
+        region = self.regions.register(tensor)
+        if region.device == "cuda":
+            with self._lock:
+                first, self._bouncing = not self._bouncing, True
+                bounces = list(self._bounces) if first else []
+            for bounce in bounces:  # pinned now, never inside a transfer or a landing lock
+                bounce.allocate()
+        return region
+
+    def new_bounce(self) -> Bounce:
+        """A stream's bounce buffer, already allocated if this engine holds CUDA memory.
+
+        Called when a stream is made (connect, accept); `register` allocates
+        the rest when the first CUDA region arrives. Host-only engines never
+        pin a byte.
+        """
+        bounce = Bounce(self.bounce_bytes, self.pinned)
+        with self._lock:
+            self._bounces.add(bounce)
+            now = self._bouncing
+        if now:
+            bounce.allocate()
+        return bounce
 
     def deregister(self, region: LocalRegion) -> None:
         self.regions.deregister(region)

@@ -10,7 +10,8 @@ one TCP stream is bound to one core's worth of copying.
 
 `Bounce` is the one copy tcp cannot avoid: a socket reads and writes host
 memory, so CUDA bytes pass through a pinned host buffer of fixed size, in
-batches that fit it. Host memory never takes this path (except when a test
+batches that fit it, each moved by a few batched device ops on the
+stream's own copy stream (never a device-wide synchronise). Host memory never takes this path (except when a test
 forces it, to exercise the code on a machine without a GPU).
 """
 
@@ -20,12 +21,15 @@ import bisect
 import itertools
 import os
 import socket
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from .device_copy import copy_rows
 from .segments import balanced_parts, split_rows
+from .streams import CopyStream, cuda_device
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 # Below this a transfer goes whole on one stream: splitting costs more
@@ -134,30 +138,51 @@ def batches(rows: np.ndarray, max_rows: int, max_bytes: int | None = None) -> It
 
 
 class Bounce:
-    """A fixed host buffer that device bytes pass through on their way to or from a socket."""
+    """A fixed host buffer that device bytes pass through on their way to or from a socket.
+
+    Allocated by `allocate()`, which the engine calls when the stream is
+    made (connect, accept) if it already holds CUDA memory, and for every
+    stream when its first CUDA region is registered — so pinning (a
+    `cudaHostAlloc` of several MiB, milliseconds) never happens inside a
+    receiver's landing lock or on a transfer's path. Copies in and out are
+    `device_copy` batches on this stream's own copy stream.
+    """
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
         self.nbytes = nbytes
         self._pinned = pinned
         self._buf: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self.copies = CopyStream()
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the buffer exists (tests check it is made before any transfer)."""
+        return self._buf is not None
+
+    def allocate(self) -> None:
+        """Make the buffer now (idempotent, thread-safe)."""
+        with self._lock:
+            if self._buf is None:
+                self._buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self._pinned)
 
     def _buffer(self) -> torch.Tensor:
-        if self._buf is None:  # lazily: most streams never carry device memory
-            self._buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self._pinned)
+        if self._buf is None:
+            # Only if a stream raced the registration that allocates it: the
+            # engine allocates before any region a transfer can name exists.
+            self.allocate()
+        assert self._buf is not None
         return self._buf
 
     def plan(self, rows: np.ndarray, max_rows: int) -> Iterator[np.ndarray]:
         """`rows` cut into batches that fit the buffer."""
         return batches(split_rows(rows, self.nbytes), max_rows, self.nbytes)
 
-    def gather(self, src: torch.Tensor, rows: np.ndarray, column: int) -> memoryview:
-        """Copy rows of `src` (offsets in `column`) into the buffer; its filled part as bytes."""
-        buf, pos = self._buffer(), 0
-        for off, n in zip(rows[:, column].tolist(), rows[:, -1].tolist(), strict=True):
-            buf[pos:pos + n].copy_(src[off:off + n], non_blocking=True)
-            pos += n
-        if src.device.type == "cuda":
-            torch.cuda.synchronize(src.device)
+    def gather(self, src: torch.Tensor, rows: np.ndarray, column: int, ready: object = None) -> memoryview:
+        """Copy rows of `src` (offsets in `column`) into the buffer, after `ready`; its filled part."""
+        buf = self._buffer()
+        table, pos = _packed(rows, column, to_buffer=True)
+        self.copies.run(cuda_device(src), ready, lambda: copy_rows(src, buf, table))
         return memoryview(buf.numpy())[:pos]
 
     def space(self, nbytes: int) -> memoryview:
@@ -165,10 +190,16 @@ class Bounce:
         return memoryview(self._buffer().numpy())[:nbytes]
 
     def scatter(self, dst: torch.Tensor, rows: np.ndarray, column: int) -> None:
-        """Copy the buffer's leading bytes out to rows of `dst` (offsets in `column`)."""
-        buf, pos = self._buffer(), 0
-        for off, n in zip(rows[:, column].tolist(), rows[:, -1].tolist(), strict=True):
-            dst[off:off + n].copy_(buf[pos:pos + n], non_blocking=True)
-            pos += n
-        if dst.device.type == "cuda":
-            torch.cuda.synchronize(dst.device)
+        """Copy the buffer's leading bytes out to rows of `dst` (offsets in `column`); returns once landed."""
+        buf = self._buffer()
+        table, _ = _packed(rows, column, to_buffer=False)
+        self.copies.run(cuda_device(dst), None, lambda: copy_rows(buf, dst, table))
+
+
+def _packed(rows: np.ndarray, column: int, *, to_buffer: bool) -> tuple[np.ndarray, int]:
+    # The copy table between a tensor's rows and the buffer packed from 0, and its bytes.
+    n = rows[:, -1].astype(np.int64)
+    packed = np.cumsum(n) - n
+    offsets = rows[:, column].astype(np.int64)
+    cols = (offsets, packed) if to_buffer else (packed, offsets)
+    return np.stack([*cols, n], 1), int(n.sum())

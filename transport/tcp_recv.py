@@ -35,7 +35,7 @@ import numpy as np
 from .errors import PeerLostError, ProtocolError, TransferTimeout
 from .listener import Slot
 from .segments import check_ranges
-from .tcp_io import Bounce, recv_all, slices
+from .tcp_io import recv_all, slices
 from .tcp_wire import (
     MAX_ROWS,
     PROTOCOL,
@@ -104,7 +104,7 @@ class InboundStream:
         self.dropped = False
         self.landing = threading.RLock()
         self._sock_lock = threading.Lock()
-        self._bounce = Bounce(engine.bounce_bytes, engine.pinned)
+        self._bounce = engine.new_bounce()
         self._transfer: int | None = None  # the transfer whose stripe is arriving
         self._got = 0
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"tcp-recv {peer}")

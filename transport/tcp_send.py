@@ -43,6 +43,7 @@ from .errors import (
 from .handles import Handle
 from .regions import Region, check_descriptor
 from .segments import as_table, check_notify, check_table
+from .streams import capture
 from .tcp_io import Bounce, batches, plan_stripes, send_all, slices
 from .tcp_wire import (
     MAX_ROWS,
@@ -72,12 +73,13 @@ def tune(sock: socket.socket) -> None:
 
 
 class _Stripe:
-    __slots__ = ("notify", "rows", "src", "region", "stripes", "transfer")
+    __slots__ = ("notify", "ready", "region", "rows", "src", "stripes", "transfer")
 
     def __init__(self, transfer: int, src: Region, region: int, rows: np.ndarray,
-                 stripes: int, notify: bytes | None) -> None:
+                 stripes: int, notify: bytes | None, ready: Any = None) -> None:
         self.transfer, self.src, self.region = transfer, src, region
         self.rows, self.stripes, self.notify = rows, stripes, notify
+        self.ready = ready  # the producer's CUDA event (transport.streams), None for host memory
 
 
 class _Stream:
@@ -117,7 +119,7 @@ class TcpConnection(Connection):
             for k in range(streams):
                 hello = Hello(engine=engine.engine_id, link=link, stream=k, streams=streams)
                 sock = self._open(host, port, hello)
-                self._streams.append(_Stream(k, sock, Bounce(engine.bounce_bytes, engine.pinned)))
+                self._streams.append(_Stream(k, sock, engine.new_bounce()))
         except BaseException:
             for s in self._streams:
                 s.sock.close()
@@ -168,6 +170,8 @@ class TcpConnection(Connection):
         remote: dict[str, Any],
         segments: np.ndarray,
         notify: bytes | None = None,
+        *,
+        ready: Any = None,
     ) -> TransferHandle:
         if self._error is not None:
             raise self._error
@@ -187,6 +191,7 @@ class TcpConnection(Connection):
             )
         nbytes = check_table(table, src.length, length)
         payload = check_notify(notify)
+        event = capture(ready, src.data.device)
         stripes = plan_stripes(table, len(self._streams))
         with self._lock:
             if self._error is not None:
@@ -197,7 +202,7 @@ class TcpConnection(Connection):
             first = next(self._turn)
             for k, rows in enumerate(stripes):
                 stream = self._streams[(first + k) % len(self._streams)]
-                stream.put(_Stripe(tid, src, region, rows, len(stripes), payload if k == 0 else None))
+                stream.put(_Stripe(tid, src, region, rows, len(stripes), payload if k == 0 else None, event))
         return handle
 
     def _peer_length(self, region: int) -> int:
@@ -261,7 +266,7 @@ class TcpConnection(Connection):
             head = PROTOCOL.pack(Segments(transfer=item.transfer, region=item.region, ranges=ranges))
             bufs = [memoryview(head)]
             if bounce:
-                bufs.append(stream.bounce.gather(src.data, batch, 0))
+                bufs.append(stream.bounce.gather(src.data, batch, 0, item.ready))
                 sizes = None
             else:
                 payload, lengths = slices(src.view, batch[:, 0], batch[:, 2])

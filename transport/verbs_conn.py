@@ -45,6 +45,7 @@ from .errors import PeerLostError, ProtocolError, RegistrationError, TransportEr
 from .handles import Handle
 from .regions import check_descriptor
 from .segments import as_table, balanced_parts, check_notify, check_table
+from .streams import capture, host_wait
 from .verbs_api import wc_error
 from .verbs_wire import CONTROL, SLOT, Acks, Hello, Regions, Welcome, pack_note
 from .wire import ErrorMessage
@@ -152,7 +153,7 @@ class VerbsConnection(ControlLink, Connection):
 
     # -- writes ---------------------------------------------------------------
     def write(self, local: LocalRegion, remote: dict[str, Any], segments: np.ndarray,
-              notify: bytes | None = None) -> TransferHandle:
+              notify: bytes | None = None, *, ready: Any = None) -> TransferHandle:
         if self._error is not None:
             raise self._error
         e = self._engine
@@ -168,6 +169,8 @@ class VerbsConnection(ControlLink, Connection):
         table = as_table(segments)
         nbytes = check_table(table, src.length, dst_length)
         payload = check_notify(notify)
+        # The NIC reads the source itself: the host waits for the producer's event (only it).
+        host_wait(capture(ready, src.data.device), e.connect_timeout, f"a write to {self.peer}")
         # Striped over rails by bytes: each rail's note lands after that rail's WRITEs, and the
         # receiver delivers notify once every rail's note is in. Small transfers use one rail.
         stripes = min(len(self._rails), max(1, -(-nbytes // RAIL_MIN)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -175,3 +176,48 @@ def test_config_refuses_unknown_and_ignored_transport_options() -> None:
         EngineConfig(transport="tcp", transport_options={"host": "::1"})
     assert EngineConfig(transport="tcp", transport_options={"streams": 2, "port": 0})
     assert EngineConfig(transport="loopback", transport_options={"copy_threads": 2})
+
+
+def test_send_refuses_readiness_for_host_pools_before_anything_happens(pair) -> None:
+    # `ready` hands a CUDA producer's event over (transport.streams); with host
+    # pools it is a caller's mistake, refused before the request exists.
+    prefill, decode, _, _ = pair
+    with pytest.raises(pdxfer.CapabilityError, match="applies to CUDA memory only"):
+        prefill.send("r", {"kv": [2]}, ready=object())
+    with pytest.raises(pdxfer.UnknownRequestError):
+        prefill.poll("r")  # the refused send left nothing behind
+    decode.expect("r", prefill.bootstrap_address, {"kv": [1]})
+    prefill.send("r", {"kv": [2]}, ready=None)
+    assert decode.wait("r", 10) is KVPoll.Success
+
+
+def test_readiness_is_captured_at_send_and_reaches_every_write(monkeypatch) -> None:
+    # A chunk sent before the decode expects it is posted later, on the progress
+    # thread, whose current stream is not the caller's: the event must be the
+    # one captured inside send(), on the caller's thread.
+    from pdxfer.transport.loopback import LoopbackConnection
+
+    from pdxfer.pools import PoolSet
+
+    captured, written = [], []
+
+    def readiness(self, ready):
+        captured.append(threading.current_thread())
+        return {r: ("event", ready) for r in self.regions}
+
+    write = LoopbackConnection.write
+
+    def recording(self, local, remote, segments, notify=None, *, ready=None):
+        if len(segments):  # the handshake's empty warm-up writes move no pool bytes
+            written.append(ready)
+        return write(self, local, remote, segments, notify)
+
+    monkeypatch.setattr(PoolSet, "readiness", readiness)
+    monkeypatch.setattr(LoopbackConnection, "write", recording)
+    with PrefillEngine(build_pools(16, 4), config("loopback")) as prefill, \
+            DecodeEngine(build_pools(16, 4), config("loopback")) as decode:
+        prefill.send("q", {"kv": [2, 3], "state": [1]}, ready="R")  # queued: decode not there yet
+        decode.expect("q", prefill.bootstrap_address, {"kv": [5, 6], "state": [2]})
+        assert decode.wait("q", 10) is KVPoll.Success
+    assert captured == [threading.main_thread()]
+    assert written and all(r == ("event", "R") for r in written)

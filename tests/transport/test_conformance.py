@@ -32,7 +32,7 @@ from pdxfer.transport import (
     TransferTimeout,
 )
 from segment_tables import CANARY, assert_landed, random_table
-from transport_rig import DST_BYTES, SRC_BYTES, WAIT, Gate, Rig
+from transport_rig import DST_BYTES, SRC_BYTES, WAIT, Gate, Rig, can_fence, needs_fence
 
 from pdxfer import transport
 
@@ -42,7 +42,7 @@ def test_builtin_backends_are_available() -> None:
 
 
 def test_unknown_backend_is_a_capability_error() -> None:
-    with pytest.raises(CapabilityError, match="unknown transport 'rdma'; known: loopback, nixl, tcp"):
+    with pytest.raises(CapabilityError, match="unknown transport 'rdma'; known: loopback, nixl, nixl-all, tcp"):
         transport.create("rdma")
 
 
@@ -118,7 +118,7 @@ def _assert_untouched_then_usable(rig: Rig) -> None:
 
 def _bad_targets(rig: Rig) -> list[tuple[str, object, object, type, str]]:
     d = rig.remote
-    other = "tcp" if rig.backend == "nixl" else "nixl"  # a backend this rig is not
+    other = "tcp" if rig.tx.name == "nixl" else "nixl"  # a backend this rig is not (wire names)
     gone = rig.tx.register(torch.zeros(16, dtype=torch.uint8))
     rig.tx.deregister(gone)
     return [
@@ -246,7 +246,21 @@ def test_peer_closed_mid_transfer_fails_with_peer_lost(rig: Rig) -> None:
     assert b"big" not in [p for _, p in rig.notes]
 
 
+def test_drop_peer_is_a_fence_or_refuses(rig: Rig) -> None:
+    # A backend whose transports write without the receiver's action cannot
+    # fence: it must say so, never return as if it had.
+    rig.conn.write(rig.src_region, rig.remote, _good()).wait(WAIT)
+    if can_fence(rig.rx):
+        rig.rx.drop_peer(rig.tx.engine_id)
+        with pytest.raises(PeerLostError):
+            rig.conn.write(rig.src_region, rig.remote, _good()).wait(WAIT)
+    else:
+        with pytest.raises(transport.CapabilityError, match="cannot fence a peer"):
+            rig.rx.drop_peer(rig.tx.engine_id)
+
+
 def test_drop_peer_fences_earlier_writes(rig: Rig) -> None:
+    needs_fence(rig)
     # The receiver is held inside the notify handler of a first transfer while
     # a 4 MiB one is posted behind it, then fences from that handler: a fence
     # waits for a running handler (it may not deliver past it), so fencing from
@@ -283,6 +297,7 @@ def test_drop_peer_fences_earlier_writes(rig: Rig) -> None:
 
 
 def test_drop_peer_from_inside_the_notify_handler_does_not_deadlock(rig: Rig) -> None:
+    needs_fence(rig)
     returned = threading.Event()
 
     def drop(sender: str, payload: bytes) -> None:
@@ -316,6 +331,7 @@ def test_close_during_transfer_fails_in_flight_with_closed_error(rig: Rig) -> No
     rig.conn.close()  # idempotent
     with pytest.raises((ClosedError, PeerLostError)):
         rig.conn.write(rig.src_region, rig.remote, _good())
+    needs_fence(rig)  # the rest reuses the destination, which needs the fence
     # The contract (transport.base.Connection.close): closing the *sender's*
     # connection stops it sending; bytes it already handed to the network may
     # still land until the receiver fences it. So the receiver fences before
@@ -366,11 +382,24 @@ def test_register_refuses_what_it_cannot_address(rig: Rig, thing: object, match:
 def test_descriptor_and_address_are_plain_msgpack(rig: Rig) -> None:
     desc = rig.dst_region.descriptor()
     assert {"backend", "engine", "region", "length", "device"} <= set(desc)
-    assert desc["backend"] == rig.backend and desc["engine"] == rig.rx.engine_id
+    assert desc["backend"] == rig.tx.name and desc["engine"] == rig.rx.engine_id
     assert desc["length"] == DST_BYTES and desc["device"] == "cpu"
     for obj in (desc, rig.rx.address()):
         assert msgpack.unpackb(msgpack.packb(obj), strict_map_key=True) == obj
     assert rig.rx.address()["engine"] == rig.rx.engine_id
+
+
+def test_readiness_for_host_memory_is_refused_before_anything_moves(rig: Rig) -> None:
+    # `ready` is the CUDA stream contract (transport.streams); given for a host
+    # region it reveals a caller who thinks its CPU bytes are produced
+    # asynchronously, so every backend refuses it, and nothing lands.
+    table = np.array([[0, 0, 4096]], np.int64)
+    with pytest.raises(transport.CapabilityError, match="applies to CUDA memory only"):
+        rig.conn.write(rig.src_region, rig.remote, table, notify=b"no", ready=object())
+    rig.conn.write(rig.src_region, rig.remote, table, notify=b"yes").wait(WAIT)
+    rig.wait_note(b"yes")
+    assert [p for _, p in rig.notes] == [b"yes"]
+    assert_landed(rig.src, rig.dst, table)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none on this machine")
