@@ -40,6 +40,7 @@ import logging
 import socket
 import threading
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,8 @@ class NixlEngine(SocketPeers, TransportEngine):
         del streams
         self.engine_id = f"nixl-{uuid.uuid4().hex[:12]}"
         self.tls = tls
+        # per instance: a widened tls is one-sided (cma, cuda_ipc, rc) and cannot be fenced
+        self.capabilities = replace(NixlEngine.capabilities, fence=tls in FENCEABLE_TLS)
         self.connect_timeout = connect_timeout
         self.regions = RegionTable(self.name, self.engine_id, cuda=False)
         self._lock = threading.Lock()  # engine state: regions, links, closed
@@ -201,8 +204,12 @@ class NixlEngine(SocketPeers, TransportEngine):
             raise RegistrationError(f"peer metadata is for agent {name!r}, expected {expected!r}")
         return name
 
+    def has_peer(self, engine_id: str) -> bool:
+        with self._lock:
+            return any(p.sender == engine_id and not p.dead for p in self._peers | self._pending)
+
     def drop_peer(self, engine_id: str) -> None:
-        if self.tls not in FENCEABLE_TLS:
+        if not self.capabilities.fence:
             raise CapabilityError(
                 f"nixl engine with UCX transports {self.tls!r} cannot fence a peer: those "
                 "transports write into our memory without our progress; use tls='tcp'"
