@@ -1,0 +1,246 @@
+"""The quarantine rule (#11) through real engines: loopback and tcp with the fence forced off.
+
+A decode whose transport cannot fence must never report Failed while a byte
+of the request may still land. Here the prefill's data transfer is held by
+an event gate (`GatedConnection`: the write is posted only once the test
+opens the gate) and the prefill is deaf to the decode's Abort until the test
+lets it hear (`DeafPrefill`), so the decode's request times out while the
+prefill is provably still writing. It must stay Quarantined — poll, outcome
+and `quarantined()` say so, with the reason — and become Failed only after
+the prefill's AbortAck: clean (the held bytes landed first, and nothing lands
+after Failed) or cut (the prefill cut its transfer; nothing landed).
+
+A killed prefill process releases a quarantine too: `test_a_killed_prefill_...`
+freezes a real prefill process, lets the decode's request time out and its
+control link go silent (ORPHANED: the frozen process still holds its data
+connection), then SIGKILLs it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+import torch
+from pdxfer_procs import Prefill
+from pdxfer_testkit import BIG_KV_FIELDS, build_pools, config, until
+
+from pdxfer import DecodeEngine, KVPoll, PrefillEngine, RequestFailed
+from pdxfer.protocol import Abort
+
+WAIT = 20.0
+NO_FENCE = ["loopback", "tcp"]
+
+
+class GatedHandle:
+    """A posted write held at the gate: in flight (poll False) until the gate opens, then real."""
+
+    def __init__(self, conn: GatedConnection, args: tuple) -> None:
+        self.conn, self.args, self.real = conn, args, None
+        self.posted = threading.Event()
+
+    def _post(self) -> None:
+        if self.real is None and self.conn.gate.is_set():
+            if self.conn.closed:
+                raise self.conn.closed  # cut before the gate opened: failed, nothing posted
+            self.real = self.conn.real.write(*self.args)
+            self.posted.set()
+
+    def poll(self) -> bool:
+        if self.conn.closed and self.real is None:
+            raise self.conn.closed
+        self._post()
+        return self.real is not None and self.real.poll()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Only close() drains this way; a held write never finishes before the gate opens."""
+        from pdxfer.transport.errors import TransferTimeout
+
+        if not self.conn.gate.wait(timeout):
+            raise TransferTimeout(f"gated write still held after {timeout} s")
+        self._post()
+        if self.real is not None:
+            self.real.wait(timeout)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.args[2][:, 2].sum())
+
+
+class GatedConnection:
+    """Wraps a transport connection: writes that carry a notify wait for `gate`."""
+
+    def __init__(self, real, gate: threading.Event, held: list) -> None:
+        self.real, self.gate, self.held, self.closed = real, gate, held, None
+
+    def write(self, local, remote, segments, notify=None):
+        if notify is None:  # the warm-up writes: let them through
+            return self.real.write(local, remote, segments, notify)
+        handle = GatedHandle(self, (local, remote, segments, notify))
+        self.held.append(handle)
+        return handle
+
+    def close(self) -> None:
+        from pdxfer.transport.errors import ClosedError
+
+        self.closed = ClosedError("gated connection closed (cut)")
+        self.real.close()
+
+
+class DeafPrefill:
+    """A prefill that holds the decode's Aborts until `hear()`: its transfers keep flying meanwhile."""
+
+    def __init__(self, prefill: PrefillEngine, monkeypatch) -> None:
+        self.prefill, self.held, self.got = prefill, [], threading.Event()
+        self.real_on_message = prefill._on_message
+        monkeypatch.setattr(prefill, "_on_message", self._on_message)
+
+    def _on_message(self, link, msg) -> None:
+        if isinstance(msg, Abort) and self.held is not None:
+            self.held.append((link, msg))
+            self.got.set()
+            return
+        self.real_on_message(link, msg)
+
+    def hear(self) -> None:
+        held, self.held = self.held, None
+        for link, msg in held:
+            self.prefill._progress.call(self.real_on_message, link, msg)
+
+
+class TickCounter:
+    """Counts the decode's progress ticks: the event on which it asks `has_peer`."""
+
+    def __init__(self, decode: DecodeEngine) -> None:
+        self.count, self.cond, real = 0, threading.Condition(), decode._progress._tick
+
+        def tick(now: float) -> float:
+            try:
+                return real(now)
+            finally:
+                with self.cond:
+                    self.count += 1
+                    self.cond.notify_all()
+
+        decode._progress._tick = tick
+
+    def wait_for(self, more: int) -> None:
+        with self.cond:
+            goal = self.count + more
+            assert self.cond.wait_for(lambda: self.count >= goal, WAIT), "the decode stopped ticking"
+
+
+@pytest.fixture
+def gated(request, monkeypatch):
+    backend = request.param
+    src = build_pools(256, 16, seed=1, kv_fields=BIG_KV_FIELDS)
+    dst = build_pools(256, 16, seed=2, kv_fields=BIG_KV_FIELDS)
+    # The prefill waits long (its own deadline must not end the test's window);
+    # the decode gives up on a request after 0.4 s and waits 0.3 s for the ack.
+    prefill = PrefillEngine(src, config(backend, request_timeout=60.0, abort_grace=1.0))
+    decode = DecodeEngine(dst, config(backend, request_timeout=0.4, transport_options={"fence": False}))
+    gate, held = threading.Event(), []
+    real_connect = prefill._transport.connect
+    monkeypatch.setattr(prefill._transport, "connect",
+                        lambda addr: GatedConnection(real_connect(addr), gate, held))
+    deaf = DeafPrefill(prefill, monkeypatch)
+    try:
+        yield prefill, decode, src, dst, gate, held, deaf
+    finally:
+        gate.set()
+        decode.close()
+        prefill.close()
+
+
+def _entries(pools: dict, kv: list[int]) -> torch.Tensor:
+    return torch.stack([pools["kv"].view(f.name)[:, kv].clone().view(torch.uint8).flatten()
+                        for f in pools["kv"].fields[:1]])
+
+
+def _quarantined(decode: DecodeEngine, rid: str) -> None:
+    until(lambda: decode.poll(rid) in (KVPoll.Quarantined, KVPoll.Failed), f"{rid} timed out")
+    out = decode.outcome(rid)
+    assert out.state is KVPoll.Quarantined, f"Failed while the prefill still writes: {out.reason}"
+    assert "timed out" in out.reason and "quarantined until it does" in out.reason, out.reason
+    assert decode.quarantined() == [rid]
+    assert decode.failure(rid) is None  # not Failed: the entries are not the caller's
+
+
+@pytest.mark.parametrize("gated", NO_FENCE, indirect=True)
+def test_a_timed_out_request_stays_quarantined_until_the_prefill_confirms(gated) -> None:
+    prefill, decode, src, dst, gate, held, deaf = gated
+    kv = list(range(40, 56))
+    decode.expect("q", prefill.bootstrap_address, {"kv": kv})
+    prefill.send("q", {"kv": list(range(16))})
+    until(lambda: held, "the prefill posted its transfer")
+    assert deaf.got.wait(WAIT), "the decode never sent its Abort"
+    _quarantined(decode, "q")
+    untouched = _entries(dst, kv)
+    # The prefill's transfer goes through now, while the decode still holds the entries.
+    gate.set()
+    assert held[0].posted.wait(WAIT)
+    held[0].real.wait(WAIT)
+    landed = _entries(dst, kv)
+    assert not torch.equal(untouched, landed), "the held transfer wrote nothing: the test proves nothing"
+    assert torch.equal(landed, _entries(src, list(range(16))))
+    assert decode.poll("q") is KVPoll.Quarantined
+    deaf.hear()  # its transfers are done: the prefill's AbortAck(clean) ends the quarantine
+    with pytest.raises(RequestFailed, match=r"timed out.*\(the prefill confirmed its transfers ended\)"):
+        decode.wait("q", WAIT)
+    assert decode.quarantined() == []
+    # Failed means the entries are the caller's: reuse them; nothing of "q" lands after it.
+    decode.release("q")
+    for field in dst["kv"].fields:
+        dst["kv"].view(field.name).view(torch.uint8)[:, kv] = 0xA5
+    canary = _entries(dst, kv)
+    decode.expect("next", prefill.bootstrap_address, {"kv": [200]})
+    prefill.send("next", {"kv": [3]})
+    assert decode.wait("next", WAIT) is KVPoll.Success
+    assert torch.equal(_entries(dst, kv), canary)
+
+
+@pytest.mark.parametrize("gated", NO_FENCE, indirect=True)
+def test_a_cut_ack_ends_the_quarantine_and_the_cut_transfer_never_lands(gated) -> None:
+    prefill, decode, src, dst, gate, held, deaf = gated
+    kv = list(range(60, 76))
+    decode.expect("c", prefill.bootstrap_address, {"kv": kv})
+    prefill.send("c", {"kv": list(range(16))})
+    until(lambda: held, "the prefill posted its transfer")
+    assert deaf.got.wait(WAIT)
+    _quarantined(decode, "c")
+    untouched = _entries(dst, kv)
+    deaf.hear()  # the transfer is still held: the prefill waits its grace, cuts, acks "cut"
+    with pytest.raises(RequestFailed, match=r"\(the prefill cut its transfers and confirmed it\)"):
+        decode.wait("c", WAIT)
+    assert held[0].real is None and prefill.poll("c") is KVPoll.Failed
+    gate.set()
+    assert torch.equal(_entries(dst, kv), untouched)
+
+
+def test_a_killed_prefill_releases_the_quarantine() -> None:
+    dst = build_pools(256, 16, seed=2, kv_fields=BIG_KV_FIELDS)
+    cfg = config("tcp", timeout=1.0, request_timeout=0.4, transport_options={"fence": False})
+    decode = DecodeEngine(dst, cfg)
+    ticks = TickCounter(decode)
+    prefill = Prefill("tcp", timeout=60.0)
+    try:
+        decode.expect("warm", prefill.address, {"kv": [3]})
+        prefill.send("warm", [7], [])  # the data connection is up before the freeze
+        assert decode.wait("warm", WAIT) is KVPoll.Success
+        decode.expect("k", prefill.address, {"kv": [10, 11], "state": [1]})
+        prefill.freeze()  # alive, silent, holding its data connection: it may still write
+        until(lambda: "data connections closed" in (decode.outcome("k").reason or "")
+              or decode.poll("k") is KVPoll.Failed, "the silent link orphaned the request")
+        out = decode.outcome("k")
+        assert out.state is KVPoll.Quarantined, f"Failed while the prefill may write: {out.reason}"
+        ticks.wait_for(3)  # the decode asked the transport at least twice since: still there
+        assert decode.poll("k") is KVPoll.Quarantined and decode.quarantined() == ["k"]
+        prefill.kill(signal.SIGKILL)
+        with pytest.raises(RequestFailed, match=r"released from quarantine: the prefill's connections are closed"):
+            decode.wait("k", WAIT)
+        assert decode.release("k").state is KVPoll.Failed
+    finally:
+        prefill.kill(signal.SIGKILL)
+        prefill.stop()
+        decode.close()
