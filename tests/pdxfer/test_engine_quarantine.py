@@ -26,11 +26,24 @@ import torch
 from pdxfer_procs import Prefill
 from pdxfer_testkit import BIG_KV_FIELDS, build_pools, config, until
 
-from pdxfer import DecodeEngine, KVPoll, PrefillEngine, RequestFailed
+from pdxfer import DecodeEngine, KVPoll, PrefillEngine, RequestFailed, transport
 from pdxfer.protocol import Abort
 
 WAIT = 20.0
 NO_FENCE = ["loopback", "tcp"]
+# UCX "all" here (no NIC, no GPU): tcp, cma, posix/sysv, self; UCX_PROTO_INFO shows
+# cma/memory carrying the puts. A tls list with commas does not reach UCX whole
+# (NIXL's engine_config is itself comma-separated: only the first name counts).
+NIXL_CMA = {"tls": "all"}
+
+
+def _backend(param: str) -> tuple[str, dict]:
+    """(backend, decode transport options) for a fixture parameter."""
+    if param == "nixl-cma":
+        if "nixl" not in transport.available():
+            pytest.skip("nixl-cu12 is not installed here")
+        return "nixl", NIXL_CMA
+    return param, {"fence": False}
 
 
 class GatedHandle:
@@ -133,13 +146,16 @@ class TickCounter:
 
 @pytest.fixture
 def gated(request, monkeypatch):
-    backend = request.param
+    backend, options = _backend(request.param)
     src = build_pools(256, 16, seed=1, kv_fields=BIG_KV_FIELDS)
     dst = build_pools(256, 16, seed=2, kv_fields=BIG_KV_FIELDS)
     # The prefill waits long (its own deadline must not end the test's window);
     # the decode gives up on a request after 0.4 s and waits 0.3 s for the ack.
-    prefill = PrefillEngine(src, config(backend, request_timeout=60.0, abort_grace=1.0))
-    decode = DecodeEngine(dst, config(backend, request_timeout=0.4, transport_options={"fence": False}))
+    theirs = NIXL_CMA if backend == "nixl" else {}
+    prefill = PrefillEngine(src, config(backend, request_timeout=60.0, abort_grace=1.0,
+                                        transport_options=theirs))
+    decode = DecodeEngine(dst, config(backend, request_timeout=0.4, transport_options=options))
+    assert decode._transport.capabilities.fence is False
     gate, held = threading.Event(), []
     real_connect = prefill._transport.connect
     monkeypatch.setattr(prefill._transport, "connect",
@@ -167,7 +183,7 @@ def _quarantined(decode: DecodeEngine, rid: str) -> None:
     assert decode.failure(rid) is None  # not Failed: the entries are not the caller's
 
 
-@pytest.mark.parametrize("gated", NO_FENCE, indirect=True)
+@pytest.mark.parametrize("gated", [*NO_FENCE, "nixl-cma"], indirect=True)
 def test_a_timed_out_request_stays_quarantined_until_the_prefill_confirms(gated) -> None:
     prefill, decode, src, dst, gate, held, deaf = gated
     kv = list(range(40, 56))
