@@ -260,3 +260,25 @@ def test_a_killed_prefill_releases_the_quarantine() -> None:
         prefill.kill(signal.SIGKILL)
         prefill.stop()
         decode.close()
+
+
+def test_a_resumed_prefill_that_lost_its_link_closes_its_data_connection_and_releases_the_orphan() -> None:
+    dst = build_pools(256, 16, seed=2, kv_fields=BIG_KV_FIELDS)
+    cfg = config("tcp", timeout=1.0, request_timeout=0.4, transport_options={"fence": False})
+    decode = DecodeEngine(dst, cfg)
+    prefill = Prefill("tcp", timeout=60.0)
+    try:
+        decode.expect("warm", prefill.address, {"kv": [3]})
+        prefill.send("warm", [7], [])
+        assert decode.wait("warm", WAIT) is KVPoll.Success
+        decode.expect("r", prefill.address, {"kv": [10, 11]})
+        prefill.freeze()
+        until(lambda: "data connections closed" in (decode.outcome("r").reason or ""), "orphaned")
+        assert decode.poll("r") is KVPoll.Quarantined
+        prefill.kill(signal.SIGCONT)  # it finds its control link closed, cuts and never reopens
+        with pytest.raises(RequestFailed, match=r"released from quarantine"):
+            decode.wait("r", WAIT)
+    finally:
+        prefill.kill(signal.SIGKILL)
+        prefill.stop()
+        decode.close()
