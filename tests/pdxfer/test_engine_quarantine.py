@@ -183,16 +183,22 @@ def _quarantined(decode: DecodeEngine, rid: str) -> None:
     assert decode.failure(rid) is None  # not Failed: the entries are not the caller's
 
 
+def _start_held(gated, rid: str, kv: list[int]) -> torch.Tensor:
+    """Expect and send `rid` with its transfer held and its Abort unheard; the entries, untouched."""
+    prefill, decode, _src, dst, _gate, held, deaf = gated
+    decode.expect(rid, prefill.bootstrap_address, {"kv": kv})
+    prefill.send(rid, {"kv": list(range(16))})
+    until(lambda: held, "the prefill posted its transfer")
+    assert deaf.got.wait(WAIT), "the decode never sent its Abort"
+    _quarantined(decode, rid)
+    return _entries(dst, kv)
+
+
 @pytest.mark.parametrize("gated", [*NO_FENCE, "nixl-cma"], indirect=True)
 def test_a_timed_out_request_stays_quarantined_until_the_prefill_confirms(gated) -> None:
     prefill, decode, src, dst, gate, held, deaf = gated
     kv = list(range(40, 56))
-    decode.expect("q", prefill.bootstrap_address, {"kv": kv})
-    prefill.send("q", {"kv": list(range(16))})
-    until(lambda: held, "the prefill posted its transfer")
-    assert deaf.got.wait(WAIT), "the decode never sent its Abort"
-    _quarantined(decode, "q")
-    untouched = _entries(dst, kv)
+    untouched = _start_held(gated, "q", kv)
     # The prefill's transfer goes through now, while the decode still holds the entries.
     gate.set()
     assert held[0].posted.wait(WAIT)
@@ -216,16 +222,11 @@ def test_a_timed_out_request_stays_quarantined_until_the_prefill_confirms(gated)
     assert torch.equal(_entries(dst, kv), canary)
 
 
-@pytest.mark.parametrize("gated", NO_FENCE, indirect=True)
+@pytest.mark.parametrize("gated", [*NO_FENCE, "nixl-cma"], indirect=True)
 def test_a_cut_ack_ends_the_quarantine_and_the_cut_transfer_never_lands(gated) -> None:
     prefill, decode, src, dst, gate, held, deaf = gated
     kv = list(range(60, 76))
-    decode.expect("c", prefill.bootstrap_address, {"kv": kv})
-    prefill.send("c", {"kv": list(range(16))})
-    until(lambda: held, "the prefill posted its transfer")
-    assert deaf.got.wait(WAIT)
-    _quarantined(decode, "c")
-    untouched = _entries(dst, kv)
+    untouched = _start_held(gated, "c", kv)
     deaf.hear()  # the transfer is still held: the prefill waits its grace, cuts, acks "cut"
     with pytest.raises(RequestFailed, match=r"\(the prefill cut its transfers and confirmed it\)"):
         decode.wait("c", WAIT)
@@ -234,7 +235,9 @@ def test_a_cut_ack_ends_the_quarantine_and_the_cut_transfer_never_lands(gated) -
     assert torch.equal(_entries(dst, kv), untouched)
 
 
-def test_a_killed_prefill_releases_the_quarantine() -> None:
+@pytest.fixture
+def orphan():
+    """A decode (tcp, fence off) whose request "k" a frozen prefill process has orphaned."""
     dst = build_pools(256, 16, seed=2, kv_fields=BIG_KV_FIELDS)
     cfg = config("tcp", timeout=1.0, request_timeout=0.4, transport_options={"fence": False})
     decode = DecodeEngine(dst, cfg)
@@ -252,33 +255,23 @@ def test_a_killed_prefill_releases_the_quarantine() -> None:
         assert out.state is KVPoll.Quarantined, f"Failed while the prefill may write: {out.reason}"
         ticks.wait_for(3)  # the decode asked the transport at least twice since: still there
         assert decode.poll("k") is KVPoll.Quarantined and decode.quarantined() == ["k"]
-        prefill.kill(signal.SIGKILL)
-        with pytest.raises(RequestFailed, match=r"released from quarantine: the prefill's connections are closed"):
-            decode.wait("k", WAIT)
-        assert decode.release("k").state is KVPoll.Failed
+        yield decode, prefill
     finally:
         prefill.kill(signal.SIGKILL)
         prefill.stop()
         decode.close()
 
 
-def test_a_resumed_prefill_that_lost_its_link_closes_its_data_connection_and_releases_the_orphan() -> None:
-    dst = build_pools(256, 16, seed=2, kv_fields=BIG_KV_FIELDS)
-    cfg = config("tcp", timeout=1.0, request_timeout=0.4, transport_options={"fence": False})
-    decode = DecodeEngine(dst, cfg)
-    prefill = Prefill("tcp", timeout=60.0)
-    try:
-        decode.expect("warm", prefill.address, {"kv": [3]})
-        prefill.send("warm", [7], [])
-        assert decode.wait("warm", WAIT) is KVPoll.Success
-        decode.expect("r", prefill.address, {"kv": [10, 11]})
-        prefill.freeze()
-        until(lambda: "data connections closed" in (decode.outcome("r").reason or ""), "orphaned")
-        assert decode.poll("r") is KVPoll.Quarantined
-        prefill.kill(signal.SIGCONT)  # it finds its control link closed, cuts and never reopens
-        with pytest.raises(RequestFailed, match=r"released from quarantine"):
-            decode.wait("r", WAIT)
-    finally:
-        prefill.kill(signal.SIGKILL)
-        prefill.stop()
-        decode.close()
+def test_a_killed_prefill_releases_the_quarantine(orphan) -> None:
+    decode, prefill = orphan
+    prefill.kill(signal.SIGKILL)
+    with pytest.raises(RequestFailed, match=r"released from quarantine: the prefill's connections are closed"):
+        decode.wait("k", WAIT)
+    assert decode.release("k").state is KVPoll.Failed
+
+
+def test_a_resumed_prefill_that_lost_its_link_closes_its_data_connection_and_releases_the_orphan(orphan) -> None:
+    decode, prefill = orphan
+    prefill.kill(signal.SIGCONT)  # it finds its control link closed, cuts and never reopens
+    with pytest.raises(RequestFailed, match=r"released from quarantine"):
+        decode.wait("k", WAIT)
