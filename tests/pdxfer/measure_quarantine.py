@@ -81,6 +81,7 @@ def ack_to_failed(param: str, rid: str) -> float:
     """Seconds from the prefill hearing the Abort (its transfers done) to the decode's Failed."""
     prefill, decode, gate, held = _pair(param)
     deaf = DeafPrefill(prefill, _Patch())
+    deaf.arm()
     try:
         decode.expect(rid, prefill.bootstrap_address, {"kv": list(range(16))})
         prefill.send(rid, {"kv": list(range(16))})
@@ -101,7 +102,7 @@ def kill_to_failed(rid: str) -> float:
     decode = DecodeEngine(build_pools(256, 16, seed=2, kv_fields=BIG_KV_FIELDS),
                           config("tcp", timeout=1.0, request_timeout=DECODE_WAIT,
                                  transport_options={"fence": False}))
-    prefill = Prefill("tcp", timeout=60.0)
+    prefill = Prefill("tcp", timeout=1.0)  # heartbeats keep its link alive until the freeze
     try:
         decode.expect("w", prefill.address, {"kv": [3]})
         prefill.send("w", [7], [])

@@ -102,12 +102,16 @@ class GatedConnection:
 
 
 class DeafPrefill:
-    """A prefill that holds the decode's Aborts until `hear()`: its transfers keep flying meanwhile."""
+    """A prefill that, once `arm()`ed, holds the decode's Aborts until `hear()`: its transfers keep
+    flying meanwhile. Installed before the first control link, which binds `_on_message`."""
 
     def __init__(self, prefill: PrefillEngine, monkeypatch) -> None:
-        self.prefill, self.held, self.got = prefill, [], threading.Event()
+        self.prefill, self.held, self.got = prefill, None, threading.Event()
         self.real_on_message = prefill._on_message
         monkeypatch.setattr(prefill, "_on_message", self._on_message)
+
+    def arm(self) -> None:
+        self.held = []
 
     def _on_message(self, link, msg) -> None:
         if isinstance(msg, Abort) and self.held is not None:
@@ -162,11 +166,36 @@ def gated(request, monkeypatch):
                         lambda addr: GatedConnection(real_connect(addr), gate, held))
     deaf = DeafPrefill(prefill, monkeypatch)
     try:
+        _warm(prefill, decode, gate, held)
+        deaf.arm()
         yield prefill, decode, src, dst, gate, held, deaf
     finally:
         gate.set()
         decode.close()
         prefill.close()
+
+
+def _warm(prefill: PrefillEngine, decode: DecodeEngine, gate: threading.Event, held: list) -> None:
+    """Bring the pair's links up with the gate open, so the test's request starts EXPECTED.
+
+    The decode's short request wait also bounds its handshake (DIALING): on a
+    loaded machine a first request may fail there; the link it started is
+    cached, so a later one goes straight to Expect.
+    """
+    gate.set()
+    for attempt in range(10):
+        rid = f"warm{attempt}"
+        decode.expect(rid, prefill.bootstrap_address, {"kv": [250]})
+        prefill.send(rid, {"kv": [0]})
+        try:
+            if decode.wait(rid, WAIT) is KVPoll.Success:
+                break
+        except RequestFailed:
+            continue
+    else:
+        raise AssertionError("no warm-up request succeeded in 10 tries")
+    gate.clear()
+    held.clear()
 
 
 def _entries(pools: dict, kv: list[int]) -> torch.Tensor:
@@ -242,7 +271,7 @@ def orphan():
     cfg = config("tcp", timeout=1.0, request_timeout=0.4, transport_options={"fence": False})
     decode = DecodeEngine(dst, cfg)
     ticks = TickCounter(decode)
-    prefill = Prefill("tcp", timeout=60.0)
+    prefill = Prefill("tcp", timeout=1.0)  # heartbeats keep its link alive until the freeze
     try:
         decode.expect("warm", prefill.address, {"kv": [3]})
         prefill.send("warm", [7], [])  # the data connection is up before the freeze
