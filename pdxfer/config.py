@@ -6,7 +6,10 @@ branch on a poll result without pulling in sockets or threads.
 
 `KVPoll` keeps SGLang's numbering on purpose (Failed=0 ... Success=4): a
 worker ported from SGLang's `KVPoll` compares the same integers and its
-scheduler's `poll == KVPoll.Success` checks keep working.
+scheduler's `poll == KVPoll.Success` checks keep working. `Quarantined` (5)
+is ours: a decode request that failed over a transport that cannot fence,
+whose entries are still not the caller's (docs/reliability.md); a scheduler
+that knows only SGLang's values sees an unfinished request and keeps waiting.
 
 Every timing knob derives from one number, `timeout`, unless the caller sets
 it explicitly; the derivation is written once, here, in `EngineConfig`'s
@@ -33,6 +36,9 @@ class KVPoll(enum.IntEnum):
     WaitingForInput = 2  # both sides know it; waiting for prefill to send
     Transferring = 3  # bytes are in flight
     Success = 4  # every byte of every chunk through the last has landed
+    # Failed, but the prefill may still be writing into its entries and the
+    # transport cannot fence it: not finished, entries not the caller's yet (#11)
+    Quarantined = 5
 
     @property
     def finished(self) -> bool:

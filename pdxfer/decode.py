@@ -15,7 +15,11 @@ byte of that request lands afterwards. A request failing while the prefill
 may still write asks it (`Abort`) and finishes on a clean `AbortAck`, or —
 cut transfers, a dead link, no ack within the grace — after `drop_peer` has
 fenced that prefill (`Fence`); the prefill then hears `Fenced`, so it opens
-a fresh data connection instead of writing into the fenced one.
+a fresh data connection instead of writing into the fenced one. Over a
+transport that cannot fence (`capabilities.fence` False) such a request is
+Quarantined instead (`Quarantine`), until the prefill's Abort/AbortAck says
+nothing of it flies, or — its link lost — the transport reports no open link
+from that prefill (`has_peer`, asked each tick). docs/reliability.md, #11.
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ from typing import Any
 
 from pdxfer.transport.errors import PeerLostError, ProtocolError
 
-from .config import EngineConfig
+from .config import EngineConfig, KVPoll
 from .engine import Engine
 from .handshake import welcome_mismatch, why_lost
 from .inbound import DecodeRequest, PrefillPeer, expect_message
-from .lifecycle import DecodeLife, DPhase, Fence, Finish, Send, Timing
+from .lifecycle import DecodeLife, DPhase, Fence, Finish, Quarantine, Send, Timing
 from .protocol import Abort, AbortAck, Fenced, Hello, Ping, Refuse, Welcome, decode_notify
 from .requests import check_request_id
 from .session import Link, parse_address
@@ -51,6 +55,10 @@ class DecodeEngine(Engine):
         super().__init__(pools, config)
         self._timing = Timing(self.config.request_wait, self.config.grace)
         self._transport.set_notify_handler(self._on_notify)
+        self._can_fence = self._transport.capabilities.fence
+        if not self._can_fence:
+            log.warning("pdxfer decode: transport %s cannot fence a peer; failed requests stay "
+                        "Quarantined until their prefill confirms or is gone", self.config.transport)
 
     # -- the public calls ---------------------------------------------------------
     def expect(self, request_id: str, prefill_addr: str, indices: Mapping[str, Any]) -> None:
@@ -66,7 +74,7 @@ class DecodeEngine(Engine):
         dst, msg = expect_message(self._pools, rid, xid, indices)
         with self._lock:
             self._check_open()
-            life = DecodeLife(rid, xid, msg, self._timing, time.monotonic())
+            life = DecodeLife(rid, xid, msg, self._timing, time.monotonic(), fence=self._can_fence)
             req = DecodeRequest(rid, life, dst, prefill_addr)
             self._table.add(req)
         self._progress.call(self._start, req)
@@ -95,8 +103,16 @@ class DecodeEngine(Engine):
                         self._progress.call(req.session.link.send, eff.msg)
             elif isinstance(eff, Fence):
                 fence = True
+            elif isinstance(eff, Quarantine):
+                log.warning("pdxfer decode: request %r quarantined: %s", req.id, eff.reason)
+                self._table.quarantine(req, eff.reason, eff.error)
         self._table.advance(req, req.life.poll)
         return fence
+
+    def quarantined(self) -> list[str]:
+        """Ids of requests Quarantined now: failed, entries still not the caller's (no fence)."""
+        with self._lock:
+            return [r.id for r in self._table.running() if r.state is KVPoll.Quarantined]
 
     def _fence(self, session: PrefillPeer, reqs: list[DecodeRequest]) -> None:
         """drop_peer the prefill, tell it, then finish `reqs`: no byte of theirs lands after. No lock."""
@@ -232,6 +248,13 @@ class DecodeEngine(Engine):
                 if self._apply(req, req.life.on_tick(now)) and req.session is not None:
                     fences.setdefault(id(req.session), (req.session, []))[1].append(req)
             aborting = any(r.life.phase is DPhase.ABORTING for r in self._table.running())
+            orphans = [(r, r.session.engine) for r in self._table.running()
+                       if r.life.phase is DPhase.ORPHANED and r.session is not None]
+        gone = [r for r, engine in orphans if engine is None or not self._transport.has_peer(engine)]
+        if gone:
+            with self._lock:
+                for req in gone:
+                    self._apply(req, req.life.on_peer_gone())
         close = []
         for session in list(self._sessions.values()):
             link = session.link

@@ -182,6 +182,12 @@ class RequestTable:
             req.state = state
             self.changed.notify_all()
 
+    def quarantine(self, req: Request, reason: str, error: BaseException | None) -> None:
+        """Failed but not finished: its entries may still be written (no fence); shows why."""
+        if not req.finished:
+            req.state, req.reason, req.error = KVPoll.Quarantined, reason, error
+            self.changed.notify_all()
+
     def finish(self, req: Request, ok: bool, reason: str | None = None,
                error: BaseException | None = None) -> bool:
         """Success or Failed, once; False if it had already finished."""

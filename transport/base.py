@@ -12,7 +12,9 @@ handshake; every later write names it and carries only the table.
 
 Capabilities are flags on the engine class so callers ask rather than guess:
 a PD engine checks `cuda_memory` before registering a GPU pool, and a tcp
-backend that must bounce CUDA memory through host memory says so.
+backend that must bounce CUDA memory through host memory says so. An
+instance may narrow its class's flags from its options (nixl's `tls`, a
+forced `fence=False`): always ask the instance, `engine.capabilities`.
 
 Deletion condition for this module: none — adding a backend means one new
 module implementing these classes and one line in `transport.registry`.
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,11 @@ class Capabilities:
     one_sided: bool  # writes land without the receiver's CPU copying bytes
     notify: bool  # write(..., notify=...) is delivered after the data
     read: bool  # connection.read() is implemented
+    # drop_peer is a real fence: after it returns no byte of the peer's earlier
+    # writes lands. False for one-sided paths nothing on our side can stop (UCX
+    # cma/cuda_ipc/rc, verbs fence="qp") and when a test forces `fence=False`;
+    # the engine then quarantines failed requests instead of fencing (#11).
+    fence: bool = True
 
 
 class LocalRegion(abc.ABC):
@@ -160,6 +167,18 @@ class TransportEngine(abc.ABC):
         sender stalled or died. The peer may connect again afterwards.
         """
 
+    def has_peer(self, engine_id: str) -> bool:
+        """Whether any inbound link from engine `engine_id` is still open (its bytes may still land).
+
+        What a receiver that cannot fence (`capabilities.fence` False) asks to
+        learn that a lost peer is really gone: once this is False after its
+        control link died, nothing of that peer's can land any more. The
+        default says True — a backend that cannot tell never lets a caller
+        conclude a peer is gone.
+        """
+        del engine_id
+        return True
+
     @abc.abstractmethod
     def close(self) -> None:
         """Fail in-flight work, stop and join its threads (bounded), deregister everything.
@@ -173,3 +192,27 @@ class TransportEngine(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def forced_fence(cls: type[TransportEngine], fence: object) -> Capabilities:
+    """An instance's capabilities when its `fence` option may switch the fence off.
+
+    `fence=False` exists so the engine's no-fence path (quarantine) runs on
+    backends that could fence; it is never a default, so production code
+    cannot lose the fence without writing it, and `drop_peer` then refuses
+    (`refuse_fence`) rather than pretend.
+    """
+    from .errors import CapabilityError
+
+    if not isinstance(fence, bool):
+        raise CapabilityError(f"{cls.name} option fence must be True or False, got {fence!r}")
+    return replace(cls.capabilities, fence=cls.capabilities.fence and fence)
+
+
+def refuse_fence(engine: TransportEngine, why: str) -> None:
+    """Raise `CapabilityError` from `drop_peer` on an engine whose `capabilities.fence` is False."""
+    from .errors import CapabilityError
+
+    if not engine.capabilities.fence:
+        raise CapabilityError(f"{engine.name} engine {engine.engine_id} cannot fence a peer: {why}")
+

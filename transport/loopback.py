@@ -49,6 +49,8 @@ from .base import (
     NotifyHandler,
     TransferHandle,
     TransportEngine,
+    forced_fence,
+    refuse_fence,
 )
 from .copying import CopyPool
 from .device_copy import copy_rows
@@ -241,11 +243,16 @@ class LoopbackEngine(TransportEngine):
         streams: int | None = None,
         copy_threads: int | None = None,
         connect_timeout: float | None = None,
+        *,
+        fence: bool = True,
     ) -> None:
+        """`fence=False` makes `drop_peer` refuse and `capabilities.fence` False: a test's
+        way to run the engine's no-fence (quarantine) path here (`base.forced_fence`)."""
         # host/port/streams/connect_timeout are accepted so callers can pass the
         # common options to any backend; a loopback engine has no socket to
         # apply them to, and its connect never waits.
         del host, port, streams, connect_timeout
+        self.capabilities = forced_fence(type(self), fence)
         self.engine_id = f"loopback-{uuid.uuid4().hex[:12]}"
         self._regions = RegionTable(self.name, self.engine_id, cuda=True)
         self._lock = threading.Lock()
@@ -307,10 +314,15 @@ class LoopbackEngine(TransportEngine):
             log.exception("notify handler raised for a payload from %s", sender)
 
     def drop_peer(self, engine_id: str) -> None:
+        refuse_fence(self, "it was created with fence=False")
         with self._lock:
             links = self._inbound.pop(engine_id, [])
         for conn in links:
             conn.sever(PeerLostError(f"engine {self.engine_id} dropped peer {engine_id} (fence)"))
+
+    def has_peer(self, engine_id: str) -> bool:
+        with self._lock:
+            return any(c.alive for c in self._inbound.get(engine_id, ()))
 
     # -- data movement ------------------------------------------------------
     def _move(self, src: Region, dst: Region, table: np.ndarray, ready: Any,

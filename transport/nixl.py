@@ -125,10 +125,12 @@ class NixlEngine(SocketPeers, TransportEngine):
         del streams
         self.engine_id = f"nixl-{uuid.uuid4().hex[:12]}"
         self.tls = FULL_TLS if tls is None else tls
-        # Per instance: VRAM only with UCX's cuda transports (capabilities of the class: tcp's).
+        # Per instance: VRAM only with UCX's cuda transports (the class's are tcp's); a widened
+        # tls is one-sided (cma, cuda_ipc, rc) and cannot be fenced.
+        fenceable = self.tls in FENCEABLE_TLS
         self.capabilities = dataclasses.replace(
             type(self).capabilities, cuda_memory=cuda_tls(self.tls), cuda_zero_copy=cuda_tls(self.tls),
-            one_sided=self.tls not in FENCEABLE_TLS)
+            one_sided=not fenceable, fence=fenceable)
         self.connect_timeout = connect_timeout
         self.regions = RegionTable(self.name, self.engine_id, cuda=self.capabilities.cuda_memory)
         self._lock = threading.Lock()  # engine state: regions, links, closed
@@ -234,8 +236,12 @@ class NixlEngine(SocketPeers, TransportEngine):
             raise RegistrationError(f"peer metadata is for agent {name!r}, expected {expected!r}")
         return name
 
+    def has_peer(self, engine_id: str) -> bool:
+        with self._lock:
+            return any(p.sender == engine_id and not p.dead for p in self._peers | self._pending)
+
     def drop_peer(self, engine_id: str) -> None:
-        if self.tls not in FENCEABLE_TLS:
+        if not self.capabilities.fence:
             raise CapabilityError(
                 f"nixl engine with UCX transports {self.tls!r} cannot fence a peer: those "
                 "transports write into our memory without our progress; use tls='tcp'"

@@ -31,7 +31,14 @@ import weakref
 
 import torch
 
-from .base import Capabilities, LocalRegion, NotifyHandler, TransportEngine
+from .base import (
+    Capabilities,
+    LocalRegion,
+    NotifyHandler,
+    TransportEngine,
+    forced_fence,
+    refuse_fence,
+)
 from .errors import ClosedError, PeerLostError, ProtocolError, TransportError
 from .listener import DEFAULT_MAX_PENDING, Listener, Slot
 from .peering import SocketPeers
@@ -67,9 +74,12 @@ class TcpEngine(SocketPeers, TransportEngine):
         force_bounce: bool = False,
         connect_timeout: float = 10.0,
         max_pending: int = DEFAULT_MAX_PENDING,
+        fence: bool = True,
     ) -> None:
         """`force_bounce` routes host memory through the bounce buffer too: it
         exists so the CUDA staging path is tested on machines without a GPU.
+        `fence=False` makes `drop_peer` refuse and `capabilities.fence` False, so the
+        engine's no-fence (quarantine) path is tested here (`base.forced_fence`).
         `connect_timeout` bounds our connects and every inbound handshake;
         `max_pending` caps inbound connections still in their handshake."""
         streams = default_streams() if streams is None else streams
@@ -77,6 +87,7 @@ class TcpEngine(SocketPeers, TransportEngine):
             raise TransportError(f"streams must be an int in 1..{MAX_STREAMS}, got {streams!r}")
         if bounce_bytes < 4096:
             raise TransportError(f"bounce_bytes must be at least 4096, got {bounce_bytes}")
+        self.capabilities = forced_fence(type(self), fence)
         self.engine_id = f"tcp-{uuid.uuid4().hex[:12]}"
         self.streams = streams
         self.bounce_bytes = bounce_bytes
@@ -139,10 +150,17 @@ class TcpEngine(SocketPeers, TransportEngine):
     def drop_peer(self, engine_id: str) -> None:
         # Streams still in their handshake have no sender yet and have written
         # nothing; if they belong to engine_id they form a new connection.
+        refuse_fence(self, "it was created with fence=False")
         with self._lock:
             streams = [s for s in self._inbound if s.sender == engine_id]
         for stream in streams:
             stream.fence()
+
+    def has_peer(self, engine_id: str) -> bool:
+        # A stream leaves `_inbound` only after it read its socket's EOF (or was
+        # fenced): every byte the peer had sent is in our memory by then.
+        with self._lock:
+            return any(s.sender == engine_id for s in self._inbound)
 
     # -- inbound bookkeeping (called by InboundStream) ----------------------
     def _accepted(self, sock: socket.socket, peer: str, slot: Slot) -> None:

@@ -29,6 +29,7 @@ import logging
 import socket
 import threading
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -91,6 +92,8 @@ class VerbsEngine(SocketPeers, TransportEngine):
         if fence not in ("mr", "qp"):
             raise CapabilityError(f"fence={fence!r}: use 'mr' (per-link MRs, a real fence) or 'qp'")
         self.fence = fence
+        # "qp" leaves a packet already in flight free to land after drop_peer: no fence
+        self.capabilities = replace(type(self).capabilities, fence=fence == "mr")
         self.api = self._load_api()
         self.engine_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
         self.connect_timeout = connect_timeout
@@ -187,6 +190,10 @@ class VerbsEngine(SocketPeers, TransportEngine):
     # -- peers --------------------------------------------------------------
     def _new_connection(self, host: str, port: int, peer: str) -> VerbsConnection:
         return VerbsConnection(self, host, port, peer)
+
+    def has_peer(self, engine_id: str) -> bool:
+        with self._lock:
+            return any(p.sender == engine_id for p in self._peers)
 
     def drop_peer(self, engine_id: str) -> None:
         with self._lock:

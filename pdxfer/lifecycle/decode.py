@@ -7,6 +7,17 @@
      FAILED                                             ▼  ▼
                                                       FENCING ──drop_peer returned──► FAILED
 
+Where the transport cannot fence (`fence=False`: one-sided UCX cma/cuda_ipc/rc,
+verbs fence="qp", a forced test option), every arrow into FENCING goes instead:
+
+    ABORTING ──no ack in grace──► QUARANTINED ──AbortAck / the prefill's Abort──► FAILED
+    EXPECTED/RECEIVING/ABORTING/QUARANTINED ──link lost──► ORPHANED ──peer gone──► FAILED
+
+and a cut AbortAck, or the prefill's Abort(fence), ends in FAILED at once: the
+prefill sends those only after every handle of the request completed or
+failed, or its cut connection closed. QUARANTINED and ORPHANED poll as
+`KVPoll.Quarantined` with the failure's reason: not finished, entries not free.
+
 See `pdxfer.lifecycle` for the rules both sides keep.
 """
 
@@ -17,7 +28,7 @@ import enum
 from ..config import KVPoll
 from ..errors import ProtocolError, RequestError, TransferTimeout
 from ..protocol import Abort, Done, Expect
-from .effects import Fence, Finish, Send, Timing, visible
+from .effects import Fence, Finish, Quarantine, Send, Timing, visible
 
 
 # -- the decode side -------------------------------------------------------------------
@@ -29,23 +40,30 @@ class DPhase(enum.Enum):
     RECEIVING = "receiving"  # some transfers landed (Transferring)
     ABORTING = "aborting"  # Abort sent; waiting for the AbortAck or the grace
     FENCING = "fencing"  # drop_peer is running; finishes in on_fenced
+    QUARANTINED = "quarantined"  # failed, no fence: waiting for the prefill's AbortAck/Abort
+    ORPHANED = "orphaned"  # failed, no fence, link lost: waiting for the prefill to be gone
     SUCCEEDED = "succeeded"
     FAILED = "failed"
 
 
 _D_POLL = {DPhase.DIALING: KVPoll.Bootstrapping, DPhase.EXPECTED: KVPoll.WaitingForInput,
            DPhase.RECEIVING: KVPoll.Transferring, DPhase.SUCCEEDED: KVPoll.Success,
-           DPhase.FAILED: KVPoll.Failed}
+           DPhase.FAILED: KVPoll.Failed, DPhase.QUARANTINED: KVPoll.Quarantined,
+           DPhase.ORPHANED: KVPoll.Quarantined}
+_WAITING = (DPhase.ABORTING, DPhase.FENCING, DPhase.QUARANTINED, DPhase.ORPHANED)
 
 
 class DecodeLife:
     """One request on the decode: announce it, count the parts that land, finish once."""
 
-    __slots__ = ("aborting", "complete", "deadline", "expect", "fence_why", "id", "last_chunk",
-                 "landed", "parts", "phase", "seen", "timing", "told", "xid")
+    __slots__ = ("aborting", "can_fence", "complete", "deadline", "expect", "fence_why", "id",
+                 "last_chunk", "landed", "parts", "phase", "seen", "timing", "told", "xid")
 
-    def __init__(self, rid: str, xid: int, expect: Expect, timing: Timing, now: float) -> None:
+    def __init__(self, rid: str, xid: int, expect: Expect, timing: Timing, now: float, *,
+                 fence: bool = True) -> None:
+        """`fence`: the transport's `capabilities.fence` — drop_peer, or quarantine."""
         self.id, self.xid, self.expect, self.timing = rid, xid, expect, timing
+        self.can_fence = fence
         self.phase = DPhase.DIALING
         self.deadline = now + timing.wait
         self.parts: dict[int, int] = {}  # chunk -> transfers it has
@@ -101,7 +119,7 @@ class DecodeLife:
 
     def on_abort(self, reason: str, now: float, error: BaseException | None = None) -> list:
         """Give up (caller, timeout, bad notify): at once if no byte can come, else ask the prefill."""
-        if self.finished or self.phase in (DPhase.ABORTING, DPhase.FENCING):
+        if self.finished or self.phase in _WAITING:
             return []
         self.aborting = (reason, error)
         if self.phase is DPhase.DIALING:
@@ -112,36 +130,66 @@ class DecodeLife:
         return [Send(Abort(self.id, self.xid, reason, False))]
 
     def on_peer_abort(self, reason: str, fence: bool) -> list:
-        """The prefill failed it; `fence`: its bytes may still be in flight."""
-        if self.finished or self.phase is DPhase.FENCING or self.phase is DPhase.DIALING:
+        """The prefill failed it; `fence`: it cut transfers whose bytes may still be in flight.
+
+        The prefill says so only once its transfers completed, failed or were
+        cut: without a fence that is the word a quarantine waits for.
+        """
+        if self.finished or self.phase in (DPhase.FENCING, DPhase.DIALING, DPhase.ORPHANED):
             return []
         if self.aborting is None:
             self.aborting = (reason, RequestError(reason))
-        return self._fence(reason) if fence else self._final(None)
+        if fence and self.can_fence:
+            return self._fence(reason)
+        return self._final("the prefill confirmed its transfers ended" if self._held else None)
 
     def on_abort_ack(self, clean: bool) -> list:
-        """The prefill's answer to our Abort: finished cleanly, or cut (then fence)."""
-        if self.phase is not DPhase.ABORTING:
+        """The prefill's answer to our Abort: finished cleanly, or cut (then fence, if we can)."""
+        if self.phase not in (DPhase.ABORTING, DPhase.QUARANTINED):
             return []
-        return self._final(None) if clean else self._fence("the prefill cut its transfers; fenced it")
+        if clean:
+            return self._final("the prefill confirmed its transfers ended" if self._held else None)
+        if self.can_fence:
+            return self._fence("the prefill cut its transfers; fenced it")
+        return self._final("the prefill cut its transfers and confirmed it")
 
     def on_link_lost(self, reason: str, error: BaseException) -> list:
-        """The control link died: before the Expect nothing can land; after it, fence."""
-        if self.finished or self.phase is DPhase.FENCING:
+        """The control link died: before the Expect nothing can land; after it, fence.
+
+        Without a fence no ack can come any more: ORPHANED until `on_peer_gone`.
+        """
+        if self.finished or self.phase in (DPhase.FENCING, DPhase.ORPHANED):
             return []
         if self.aborting is None:
             self.aborting = (reason, error)
         if self.phase is DPhase.DIALING:
             self.phase = DPhase.FAILED
             return [Finish(False, reason, error)]
-        return self._fence(reason)
+        if self.can_fence:
+            return self._fence(reason)
+        return self._hold(DPhase.ORPHANED, f"control link lost ({reason}); quarantined until the "
+                          "transport reports the prefill's data connections closed")
+
+    def on_peer_gone(self) -> list:
+        """The transport has no open link from the prefill any more (`has_peer` False): free it.
+
+        Only after the control link was lost: while it lives the prefill may
+        reopen a data connection and is asked instead.
+        """
+        if self.phase is not DPhase.ORPHANED:
+            return []
+        return self._final("released from quarantine: the prefill's connections are closed")
 
     def on_tick(self, now: float) -> list:
         """No progress within the wait: abort; no AbortAck within the grace: fence."""
         if self.deadline > now:
             return []
         if self.phase is DPhase.ABORTING:
-            return self._fence(f"prefill did not confirm the abort within {self.timing.grace} s; fenced it")
+            why = f"prefill did not confirm the abort within {self.timing.grace} s"
+            if not self.can_fence:
+                return self._hold(DPhase.QUARANTINED, f"{why}; quarantined until it does (the "
+                                  "transport cannot fence)")
+            return self._fence(f"{why}; fenced it")
         if self.phase in (DPhase.DIALING, DPhase.EXPECTED, DPhase.RECEIVING):
             msg = (f"request {self.id!r} timed out: no progress for {self.timing.wait} s while "
                    f"{self.poll.name}")
@@ -170,6 +218,17 @@ class DecodeLife:
         self.phase = DPhase.FENCING
         self.fence_why = why
         return [Fence()]
+
+    @property
+    def _held(self) -> bool:
+        return self.phase in (DPhase.QUARANTINED, DPhase.ORPHANED)
+
+    def _hold(self, phase: DPhase, why: str) -> list:
+        """Quarantine: failed, but a byte may still land and nothing here can stop it."""
+        reason, error = self.aborting or ("failed", None)
+        self.phase = phase
+        self.fence_why = why
+        return [Quarantine(f"{reason} [{why}]", error)]
 
     def _final(self, why: str | None) -> list:
         reason, error = self.aborting or ("failed", None)

@@ -37,6 +37,14 @@ class Fence:
 
 
 @dataclass(frozen=True)
+class Quarantine:
+    """Show the request as Quarantined with `reason`: failed, but its entries are not free yet."""
+
+    reason: str
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
 class Finish:
     """The request is final: Success (`ok`) or Failed with `reason` and `error`."""
 

@@ -70,8 +70,10 @@ def test_every_exported_error_derives_from_the_one_root() -> None:
 
 def test_kvpoll_keeps_sglang_numbering() -> None:
     assert [(p.name, int(p)) for p in KVPoll] == [
-        ("Failed", 0), ("Bootstrapping", 1), ("WaitingForInput", 2), ("Transferring", 3), ("Success", 4)]
+        ("Failed", 0), ("Bootstrapping", 1), ("WaitingForInput", 2), ("Transferring", 3), ("Success", 4),
+        ("Quarantined", 5)]  # ours (#11), after SGLang's values
     assert KVPoll.Success.finished and KVPoll.Failed.finished and not KVPoll.Transferring.finished
+    assert not KVPoll.Quarantined.finished
 
 
 def test_config_is_frozen_and_validated() -> None:

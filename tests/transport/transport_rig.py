@@ -27,19 +27,8 @@ WAIT = 20.0  # generous: the machine running the suite may be loaded
 
 
 def can_fence(engine: transport.TransportEngine) -> bool:
-    """Whether `engine.drop_peer` is a fence: its `capabilities.fence` (per instance on nixl).
-
-    Until that flag lands (issue #11's engine half), the one backend that
-    cannot fence is nixl with UCX transports beyond tcp, which it says by `tls`.
-    """
-    fence = getattr(engine.capabilities, "fence", None)
-    if fence is not None:
-        return bool(fence)
-    if hasattr(engine, "tls"):
-        from pdxfer.transport.nixl import FENCEABLE_TLS
-
-        return engine.tls in FENCEABLE_TLS
-    return True
+    """Whether `engine.drop_peer` is a fence: its `capabilities.fence` (per instance)."""
+    return engine.capabilities.fence
 
 
 def needs_fence(rig: Rig) -> None:
