@@ -76,16 +76,31 @@ log = logging.getLogger(__name__)
 
 # UCX transport lists under which only our own progress calls write into our
 # memory, so drop_peer can fence (see the module docstring).
-FENCEABLE_TLS = frozenset({"tcp", "tcp,self", "self,tcp"})
+FENCEABLE_TLS = frozenset({"tcp"})
 # `tls` for UCX's full list (its own default, "all"): cma/sysv/posix shared
 # memory, cuda_copy and cuda_ipc for VRAM, rc/dc/ud where a NIC exists.
 FULL_TLS = "all"
 
 
 def cuda_tls(tls: str) -> bool:
-    """Whether UCX transports `tls` can move VRAM: the full list, or one naming a cuda transport."""
-    names = {t.strip() for t in tls.split(",")}
-    return tls == FULL_TLS or any(t.startswith("cuda") or t in ("gdr_copy", "rc", "dc") for t in names)
+    """Whether UCX transport `tls` can move VRAM: the full list, or a cuda/RDMA transport."""
+    return tls == FULL_TLS or tls.startswith("cuda") or tls in ("gdr_copy", "rc", "dc")
+
+
+def check_tls(tls: str) -> str:
+    """`tls` if NIXL can pass it to UCX whole; `CapabilityError` for a list.
+
+    NIXL's UCX `engine_config` is itself a comma-separated `KEY=VALUE` list,
+    so `TLS=tcp,cma` reaches UCX as `TLS=tcp`: the rest is dropped without a
+    word (measured: `tls="tcp,bogus"` starts). Refuse what would be cut.
+    Deletion condition: a NIXL release that escapes or quotes values there.
+    """
+    if not isinstance(tls, str) or not tls or "," in tls:
+        raise CapabilityError(
+            f"nixl tls={tls!r}: NIXL cuts a UCX transport list at its first comma; name one "
+            f"transport ('tcp': fenceable) or {FULL_TLS!r} for UCX's full list"
+        )
+    return tls
 
 
 class _Send:
@@ -124,7 +139,7 @@ class NixlEngine(SocketPeers, TransportEngine):
         `max_pending` caps inbound connections still in their handshake."""
         del streams
         self.engine_id = f"nixl-{uuid.uuid4().hex[:12]}"
-        self.tls = FULL_TLS if tls is None else tls
+        self.tls = FULL_TLS if tls is None else check_tls(tls)
         # Per instance: VRAM only with UCX's cuda transports (the class's are tcp's); a widened
         # tls is one-sided (cma, cuda_ipc, rc) and cannot be fenced.
         fenceable = self.tls in FENCEABLE_TLS

@@ -58,7 +58,7 @@ def test_fence_false_turns_the_fence_off_and_drop_peer_refuses(backend: str) -> 
 def test_nixl_fences_only_over_tcp() -> None:
     if "nixl" not in transport.available():
         pytest.skip("nixl-cu12 is not installed here")
-    with transport.create("nixl") as fenced, transport.create("nixl", tls="tcp,cma,self") as wide:
+    with transport.create("nixl") as fenced, transport.create("nixl", tls="all") as wide:
         assert fenced.capabilities.fence is True
         assert wide.capabilities.fence is False
         with pytest.raises(CapabilityError, match=r"cannot fence a peer"):

@@ -141,9 +141,15 @@ def test_close_fences_the_link_on_the_receiver(rig: Rig) -> None:
 
 
 def test_transports_that_cannot_be_fenced_make_drop_peer_refuse() -> None:
-    with transport.create("nixl", tls="tcp,cma") as engine:
+    with transport.create("nixl", tls="all") as engine:
         with pytest.raises(CapabilityError, match="cannot fence a peer.*use tls='tcp'"):
             engine.drop_peer("nixl-someone")
+
+
+def test_a_ucx_transport_list_nixl_would_cut_is_refused() -> None:
+    # NIXL passes `TLS=tcp,bogus` to UCX as `TLS=tcp`: a list would be silently cut.
+    with pytest.raises(CapabilityError, match=r"tls='tcp,cma'.*cuts a UCX transport list.*'all'"):
+        transport.create("nixl", tls="tcp,cma")
 
 
 def test_unknown_ucx_transport_is_a_clear_error() -> None:
@@ -219,7 +225,7 @@ def test_capabilities_follow_the_ucx_transports_per_instance() -> None:
         assert not tcp.capabilities.cuda_memory and not tcp.capabilities.one_sided
         assert full.capabilities.cuda_memory and full.capabilities.one_sided
         assert type(tcp).capabilities.cuda_memory is False  # the class keeps tcp's answer
-    assert cuda_tls("cma,cuda_copy,cuda_ipc") and not cuda_tls("tcp") and not cuda_tls("cma,posix")
+    assert cuda_tls("cuda_ipc") and cuda_tls("all") and not cuda_tls("tcp") and not cuda_tls("cma")
 
 
 def test_region_rows_name_each_regions_device_for_vram_descriptors() -> None:
