@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .base import Connection, LocalRegion, TransferHandle
+from .copying import coalesce_posted
 from .errors import (
     ClosedError,
     PeerLostError,
@@ -145,6 +146,7 @@ class NixlConnection(Connection):
             self._pending[seq] = handle  # before posting: the ack may beat us back
         try:
             if table.shape[0]:
+                table = coalesce_posted(table)
                 engine._post(self, self._descs(src.start, table, 0), self._descs(base, table, 1),
                              pack_note(seq, payload))
             else:

@@ -94,3 +94,24 @@ def test_progress_reports_rows_elapsed_and_eta_only_on_long_runs() -> None:
     lines = loud.getvalue().splitlines()
     assert lines[0].startswith("[1/3 rows, ") and "s elapsed, ETA " in lines[0]
     assert lines[-1].startswith("[3/3 rows, ") and lines[-1].endswith("ETA 0 s] row 2")
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_bench_transport_raw_nixl_columns_and_two_processes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], processes: str) -> None:
+    pytest.importorskip("nixl_cu12", reason="raw NIXL columns need the nixl extra")
+    path = tmp_path / "t.json"
+    assert cli.main(["bench", "transport", "--total-mib", "4", "--reps", "1", "--backends", "tcp,nixl",
+                     "--processes", processes, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    columns, legend = _table_and_legend(out)
+    assert legend == columns
+    assert {"raw NIXL (tcp)", "raw NIXL (UCX default)", "nixl/raw NIXL (tcp)",
+            "tcp/raw NIXL (UCX default)"} <= set(columns)
+    data = json.loads(path.read_text())
+    assert data["params"]["processes"] == int(processes)
+    # every method ran every case once, each run crc-checked (a wrong byte aborts the bench)
+    methods = {"memcpy", "memcpy/seg", "raw socket", "tcp", "tcp 1 stream", "nixl",
+               "raw NIXL (tcp)", "raw NIXL (UCX default)"}
+    assert {s["method"] for s in data["samples"]} == methods
+    assert len(data["samples"]) == 6 * len(methods)
