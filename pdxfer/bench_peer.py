@@ -59,8 +59,8 @@ class Receiver:
     def zero(self) -> None:
         self.dst[:] = 0
 
-    def crc(self) -> int:
-        return zlib.crc32(self.dst)
+    def crc(self, size: int | None = None) -> int:
+        return zlib.crc32(self.dst[:size])
 
     # -- engines --------------------------------------------------------------
     def engine(self, backend: str, options: dict[str, Any]) -> dict[str, Any]:

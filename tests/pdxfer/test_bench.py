@@ -115,3 +115,22 @@ def test_bench_transport_raw_nixl_columns_and_two_processes(
                "raw NIXL (tcp)", "raw NIXL (UCX default)"}
     assert {s["method"] for s in data["samples"]} == methods
     assert len(data["samples"]) == 6 * len(methods)
+
+
+def test_bench_scaling_tiny_both_layouts_every_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.json"
+    assert cli.main(["bench", "scaling", "--tiny", "--reps", "1", "--backends", "loopback",
+                     "--json", str(path)]) == 0
+    columns, legend = _table_and_legend(capsys.readouterr().out)
+    assert legend == columns
+    rows = json.loads(path.read_text())["rows"]
+    # tiny: 1, 4, 16 pages and 64 KiB, 256 KiB entries, each in both layouts (bytes crc-checked)
+    assert {(r["pool"], r["entries"], r["entry_bytes"]) for r in rows} == {
+        ("kv pages", 1, 65536), ("kv pages", 4, 65536), ("kv pages", 16, 65536),
+        ("state entry", 1, 65536), ("state entry", 1, 262144)}
+    for r in rows:
+        if r["layout"] == "layer-major":  # one row per field x layer x run: 16 per entry-major row
+            twin = next(e for e in rows if e["layout"] == "entry-major" and e["pool"] == r["pool"]
+                        and e["entries"] == r["entries"] and e["entry_bytes"] == r["entry_bytes"])
+            assert r["segments"] == 16 * twin["segments"]
+        assert r["bytes"] == r["entries"] * r["entry_bytes"] and len(r.keys()) > 5
