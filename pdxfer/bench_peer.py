@@ -192,15 +192,17 @@ def _read(fd: int, deadline: float | None) -> Any:
 class ChildPeer:
     """A `Receiver` in a child process (spawned interpreter), driven over a msgpack pipe."""
 
-    def __init__(self, total: int, timeout: float = NIXL_WAIT_S + 30) -> None:
+    def __init__(self, total: int, timeout: float = NIXL_WAIT_S + 30,
+                 module: str = "pdxfer.bench_peer") -> None:
         self.timeout = timeout
         self.dst = None  # lives in the child
+        # `module` runs `serve` with its own receiver class (bench_decode: a DecodeEngine).
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdxfer.bench_peer", str(total)],
+            [sys.executable, "-m", module, str(total)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )
         self._busy = False
-        self.call("zero")  # the child is up and its buffer exists
+        self.call("ping")  # the child is up and its receiver exists
 
     def _send(self, op: str, kw: dict[str, Any]) -> None:
         if self._busy:
@@ -241,11 +243,10 @@ class ChildPeer:
         self.proc.stdout.close()
 
 
-def serve(total: int) -> int:
+def serve(receiver: Any, ops: tuple[str, ...] = OPS) -> int:
     """The child's loop: answer operations until `quit` or the parent's end of the pipe closes."""
     out = os.dup(1)
     os.dup2(2, 1)  # stray prints (UCX, NIXL) go to stderr, never into the channel
-    receiver = Receiver(total)
     try:
         while True:
             try:
@@ -255,7 +256,10 @@ def serve(total: int) -> int:
             op, kw = msg.get("op"), msg.get("kw")
             if op == "quit":
                 return 0
-            if op not in OPS or not isinstance(kw, dict):
+            if op == "ping":
+                _write(out, {"value": None})
+                continue
+            if op not in ops or not isinstance(kw, dict):
                 _write(out, {"error": f"unknown operation {op!r}"})
                 continue
             try:
@@ -267,4 +271,4 @@ def serve(total: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(int(sys.argv[1])))
+    sys.exit(serve(Receiver(int(sys.argv[1]))))

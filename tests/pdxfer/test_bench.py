@@ -134,3 +134,23 @@ def test_bench_scaling_tiny_both_layouts_every_size(tmp_path: Path, capsys: pyte
                         and e["entries"] == r["entries"] and e["entry_bytes"] == r["entry_bytes"])
             assert r["segments"] == 16 * twin["segments"]
         assert r["bytes"] == r["entries"] * r["entry_bytes"] and len(r.keys()) > 5
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_bench_chunked_reports_exposed_time_per_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     processes: str) -> None:
+    path = tmp_path / "c.json"
+    assert cli.main(["bench", "chunked", "--pages", "8", "--chunks", "4", "--compute-ms", "1",
+                     "--reps", "1", "--backends", "tcp", "--processes", processes,
+                     "--json", str(path)]) == 0
+    columns, legend = _table_and_legend(capsys.readouterr().out)
+    assert legend == columns
+    data = json.loads(path.read_text())
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert set(rows) == {"chunked", "after", "transfer only"}  # every request's entries crc-checked
+    assert rows["chunked"]["chunks"] == 4 and rows["after"]["chunks"] == 1
+    assert rows["chunked"]["compute_ms"] == rows["after"]["compute_ms"] == 4.0
+    assert rows["transfer only"]["compute_ms"] == 0.0
+    assert rows["chunked"]["hidden"] == pytest.approx(
+        1 - rows["chunked"]["exposed_ms"] / rows["after"]["exposed_ms"])
+    assert all(len(s["seconds"]) == 1 for s in data["samples"])
