@@ -27,7 +27,7 @@ import torch
 
 from .config import EngineConfig, KVPoll
 
-OPS = ("open", "expect", "wait", "release")
+OPS = ("open", "expect", "wait", "stats", "release", "bare")
 
 
 def entries_crc(pools: dict[str, Any], indices: dict[str, Any]) -> int:
@@ -46,6 +46,7 @@ class DecodeSide:
     def __init__(self) -> None:
         self.engine: Any = None
         self.pools: dict[str, Any] = {}
+        self._bare: list[Any] = []
 
     def open(self, backend: str, kind: str, kv_entries: int, state_entries: int) -> None:
         from .bench_engine import _pools
@@ -69,11 +70,32 @@ class DecodeSide:
         crcs = [entries_crc(self.pools, idx) for idx in indices] if indices else []
         return {"t": t, "crc": crcs}
 
+    def stats(self, rids: list[str]) -> dict[str, list[int]]:
+        """Segments and transfers each request took (what `bench engine` checks)."""
+        got = [self.engine.stats(rid) for rid in rids]
+        return {"segments": [g.segments for g in got], "transfers": [g.transfers for g in got]}
+
+    def bare(self, backend: str, kind: str, kv_entries: int, state_entries: int) -> dict[str, Any]:
+        """A bare transport engine with fresh pools' buffers registered: address and descriptors."""
+        from pdxfer import layout, transport
+
+        from .bench_engine import _pools
+
+        self._bare_pools = _pools(kind, kv_entries, state_entries)
+        eng = transport.create(backend)
+        self._bare.append(eng)
+        return {"address": eng.address(),
+                "descriptors": {p: [eng.register(b).descriptor() for b in layout.arena_buffers(a)]
+                                for p, a in self._bare_pools.items()}}
+
     def release(self, rids: list[str]) -> None:
         for rid in rids:
             self.engine.release(rid)
 
     def close(self) -> None:
+        for eng in self._bare:
+            eng.close()
+        self._bare.clear()
         if self.engine is not None:
             self.engine.close()
             self.engine = None

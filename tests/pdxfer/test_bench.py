@@ -154,3 +154,17 @@ def test_bench_chunked_reports_exposed_time_per_mode(tmp_path: Path, capsys: pyt
     assert rows["chunked"]["hidden"] == pytest.approx(
         1 - rows["chunked"]["exposed_ms"] / rows["after"]["exposed_ms"])
     assert all(len(s["seconds"]) == 1 for s in data["samples"])
+
+
+def test_bench_engine_two_processes_same_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "e.json"
+    assert cli.main(["bench", "engine", "--requests", "6", "--batch", "3", "--backends", "tcp",
+                     "--processes", "2", "--json", str(path)]) == 0
+    columns, legend = _table_and_legend(capsys.readouterr().out)
+    assert legend == columns and "engine req/s" in columns
+    data = json.loads(path.read_text())
+    assert data["params"]["processes"] == 2
+    # the bench itself exits if a request's segments differ from the runs it names
+    segs = {r["kv layout"]: r["segments"] for r in data["rows"]}
+    assert segs == {"entry-major": 17, "layer-major": 257, "per-layer tensors": 257}
+    assert all(r["engine_rps"] > 0 and r["bare_rps"] > 0 for r in data["rows"])
