@@ -16,7 +16,15 @@ shows) and with destination slots shuffled. Per case, in the same run:
 - `tcp`: one `write` between two tcp engines (default stream count), and
   `tcp 1 stream` to show what striping adds;
 - any other installed backend (`nixl`): one `write` between two engines,
-  beside memcpy and tcp.
+  beside memcpy and tcp;
+- with nixl installed, `raw NIXL (tcp)` and `raw NIXL (UCX default)`: NIXL
+  agents used directly (`bench_rawnixl`: prepared descriptor lists, one
+  reposted request), on our nixl backend's UCX transports and on UCX's own
+  choice — the baselines `nixl` and `tcp` are held to.
+
+`--processes 2` puts every receiving endpoint that can live in another
+process (`bench_peer.ChildPeer`) in a child process, as deployed: sender and
+receiver then share no GIL. memcpy and loopback stay in this process.
 
 Every figure is the median of `--reps` timed runs after one warm-up; the
 destination is zeroed before each run and its crc32 compared with the
