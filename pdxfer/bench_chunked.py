@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="loopback,tcp", help="comma-separated backends")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: the decode engine in a child process, as deployed")
-    br.add_output_args(parser)
+    br.add_output_args(parser, plot=False)
     args = parser.parse_args(argv)
     if args.chunks > args.pages:
         parser.error(f"--chunks {args.chunks} exceeds --pages {args.pages}: every chunk needs a page")
