@@ -38,7 +38,7 @@ from pdxfer import transport
 from . import bench_report as br
 from .bench_decode import LocalDecode, entries_crc
 from .bench_engine import _pools
-from .bench_peer import ChildPeer
+from .bench_peer import CHILD_NOTE, ChildPeer
 from .cliargs import bounded_int, positive_float
 from .config import EngineConfig, KVPoll
 from .errors import UnknownRequestError
@@ -147,8 +147,7 @@ def run(backends: list[str], pages: int, chunks: int, compute_ms: float, reps: i
                   "end-to-end ms": f"{row['end_to_end_ms']:.1f}",
                   "hidden": f"{row['hidden']:.0%}" if row["hidden"] is not None else ""})
     meanings = {
-        "backend": "transport of both engines" + ("; decode engine in a child process (where the backend "
-                                                   "can cross processes)" if processes == 2 else ""),
+        "backend": "transport of both engines" + (CHILD_NOTE if processes == 2 else ""),
         "mode": "chunked: send each chunk once computed (last=False); after: compute all, then one "
                 "send; transfer only: no compute",
         "pages": "64 KiB KV pages in the request (plus one ~40 KiB state entry)",
@@ -158,10 +157,7 @@ def run(backends: list[str], pages: int, chunks: int, compute_ms: float, reps: i
         "end-to-end ms": "compute ms + exposed ms: first compute to decode Success",
         "hidden": "share of the transfer hidden behind compute: 1 - exposed(chunked) / exposed(after)",
     }
-    br.print_legend(meanings, columns, out)
-    report.data["columns"] = meanings
-    for r in rows:
-        report.row(r)
+    report.finish(meanings, columns, rows, out)
     return rows
 
 
@@ -179,11 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.chunks > args.pages:
         parser.error(f"--chunks {args.chunks} exceeds --pages {args.pages}: every chunk needs a page")
-    backends = [b for b in args.backends.split(",") if b]
-    unknown = set(backends) - set(transport.available())
-    if unknown:
-        parser.error(f"backends {sorted(unknown)} are not installed; choose from "
-                     f"{', '.join(transport.available())}")
+    backends = br.backends(parser, args.backends)
     br.check_outputs(parser, args)
     report = br.Report("chunked", backends, {"pages": args.pages, "chunks": args.chunks,
                                              "compute_ms": args.compute_ms, "reps": args.reps,

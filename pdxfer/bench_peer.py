@@ -40,6 +40,8 @@ import torch
 from pdxfer import transport
 
 _LEN = struct.Struct("<I")
+# What a legend says of `--processes 2`, in every bench that has it.
+CHILD_NOTE = "; receiving side in a child process (where the backend can cross processes)"
 _MAX_FRAME = 64 << 20  # a table of 65,536 rows is 1.5 MiB; anything near this is a bug
 NIXL_WAIT_S = 120.0
 

@@ -30,7 +30,7 @@ import torch
 from pdxfer import layout, transport
 
 from . import bench_report as br
-from .bench_peer import ChildPeer, LocalPeer
+from .bench_peer import CHILD_NOTE, ChildPeer, LocalPeer
 from .cliargs import bounded_int
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -138,8 +138,7 @@ def run(backends: list[str], reps: int, tiny: bool, processes: int, out, report:
                 peer.close()
             local.close()
     meanings = {
-        "backend": "transport backend of both engines" + (
-            "; receiver in a child process (where the backend can cross processes)" if processes == 2 else ""),
+        "backend": "transport backend of both engines" + (CHILD_NOTE if processes == 2 else ""),
         "pool": "kv pages: 64 KiB pages scattered on both sides; state entry: one entry of the stated size",
         "request": "entries per request x bytes per entry",
         "layout": "entry-major (EntryMajorArena) or layer-major (LayerMajorArena: one row per field x layer x run)",
@@ -148,10 +147,7 @@ def run(backends: list[str], reps: int, tiny: bool, processes: int, out, report:
         "GB/s": "request bytes over that time, 10^9 B/s",
         "layer/entry": "layer-major GB/s over entry-major GB/s at the same size",
     }
-    br.print_legend(meanings, columns, out)
-    report.data["columns"] = meanings
-    for r in rows:
-        report.row({k: v for k, v in r.items() if k != "seconds"})
+    report.finish(meanings, columns, [{k: v for k, v in r.items() if k != "seconds"} for r in rows], out)
     return rows
 
 
@@ -196,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="2: the receiving engine in a child process, as deployed")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
-    backends = [b for b in args.backends.split(",") if b]
-    unknown = set(backends) - set(transport.available())
-    if unknown:
-        parser.error(f"backends {sorted(unknown)} are not installed; choose from "
-                     f"{', '.join(transport.available())}")
+    backends = br.backends(parser, args.backends)
     br.check_outputs(parser, args)
     report = br.Report("scaling", backends, {"reps": args.reps, "processes": args.processes})
     print(f"# pdxfer bench scaling: median of {args.reps} requests per point, {args.processes} process(es)")
@@ -208,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(backends, args.reps, args.tiny, args.processes, lambda line: print(line, flush=True), report)
     report.write(args.json, report.data["columns"])
     if args.plot is not None:
-        m = report.data["machine"]
-        plot(rows, args.plot, f"{m['host']}, {m['cores']} cores, load {m['loadavg'][0]:.1f}, "
-             f"median of {args.reps}, {args.processes} process(es)")
+        plot(rows, args.plot, report.note(f"median of {args.reps}, {args.processes} process(es)"))
     return 0
 
 

@@ -49,7 +49,7 @@ import torch
 from pdxfer import transport
 
 from . import bench_report as br
-from .bench_peer import ChildPeer, LocalPeer
+from .bench_peer import CHILD_NOTE, ChildPeer, LocalPeer
 from .bench_rawnixl import RawNixlPair
 from .cliargs import bounded_int
 
@@ -179,9 +179,7 @@ def _runs(src: np.ndarray, local: LocalPeer, table: np.ndarray, pairs: dict[str,
 
 def legend(columns: list[str], streams: int, processes: int = 1) -> dict[str, str]:
     """What each printed column means (GB/s unless a ratio)."""
-    where = ("receivers in a child process (backends that cannot cross processes: in this one)"
-             if processes == 2
-             else "both sides in this process")
+    where = "both sides in this process" if processes == 1 else CHILD_NOTE.lstrip("; ")
     fixed = {
         "case": (f"segments x segment size; contiguous: row i -> slot i, shuffled: destination slots "
                  f"permuted; {where}"),
@@ -305,11 +303,10 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
                 progress.step(name)
         streams = pairs["tcp"].tx.streams if "tcp" in pairs else 0
         meanings = legend(columns, streams, processes)
-        br.print_legend(meanings, columns, out)
         if report is not None:
-            report.data["columns"] = meanings
-            for r in results:
-                report.row(r)
+            report.finish(meanings, columns, results, out)
+        else:
+            br.print_legend(meanings, columns, out)
     finally:
         for closing in [*pairs.values(), *nixls.values(), *([raw] if raw else [])]:
             closing.close()
@@ -376,9 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                   args.processes)
     report.write(args.json, report.data["columns"])
     if args.plot is not None:
-        m = report.data["machine"]
-        plot(results, args.plot, f"{m['host']}, {m['cores']} cores, load {m['loadavg'][0]:.1f}, "
-             f"{total // MiB} MiB per case, median of {args.reps}")
+        plot(results, args.plot, report.note(f"{total // MiB} MiB per case, median of {args.reps}, "
+                                             f"{args.processes} process(es)"))
     return 0
 
 
