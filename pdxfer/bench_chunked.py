@@ -33,12 +33,10 @@ import time
 import numpy as np
 import torch
 
-from pdxfer import transport
-
 from . import bench_report as br
 from .bench_decode import LocalDecode, entries_crc
 from .bench_engine import _pools
-from .bench_peer import CHILD_NOTE, ChildPeer
+from .bench_peer import CHILD_NOTE, ChildPeer, crosses_processes
 from .cliargs import bounded_int, positive_float
 from .config import EngineConfig, KVPoll
 from .errors import UnknownRequestError
@@ -119,7 +117,7 @@ def run(backends: list[str], pages: int, chunks: int, compute_ms: float, reps: i
         for arena in pools.values():  # random bytes: a crc of zeros would prove nothing
             arena.buf.copy_(torch.from_numpy(rng.integers(0, 256, arena.buf.numel(), dtype=np.uint8)))
         prefill = PrefillEngine(pools, EngineConfig(transport=backend, timeout=30.0))
-        cross = processes == 2 and transport.create(backend).capabilities.cross_process
+        cross = processes == 2 and crosses_processes(backend)
         decode = ChildPeer(0, module="pdxfer.bench_decode") if cross else LocalDecode()
         try:
             decode.call("open", backend=backend, kind="entry-major", kv_entries=kv_n, state_entries=st_n)

@@ -41,7 +41,7 @@ from pdxfer import layout, transport
 
 from . import bench_report as br
 from .bench_decode import LocalDecode
-from .bench_peer import ChildPeer
+from .bench_peer import ChildPeer, crosses_processes
 from .cliargs import bounded_int
 from .config import EngineConfig, KVPoll
 from .prefill import PrefillEngine
@@ -106,7 +106,7 @@ class _Timed:
 
 def _decode_side(backend: str, processes: int) -> Any:
     """The decode engine's driver: in a child process when asked and the backend can cross one."""
-    if processes == 2 and transport.create(backend).capabilities.cross_process:
+    if processes == 2 and crosses_processes(backend):
         return ChildPeer(0, module="pdxfer.bench_decode")
     return LocalDecode()
 

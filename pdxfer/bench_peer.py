@@ -46,6 +46,15 @@ _MAX_FRAME = 64 << 20  # a table of 65,536 rows is 1.5 MiB; anything near this i
 NIXL_WAIT_S = 120.0
 
 
+def crosses_processes(backend: str) -> bool:
+    """Whether `backend`'s peers may live in another process (its capability flag)."""
+    eng = transport.create(backend)
+    try:
+        return eng.capabilities.cross_process
+    finally:
+        eng.close()
+
+
 class Receiver:
     """The destination buffer and every endpoint that writes into it (one per method)."""
 
@@ -155,6 +164,8 @@ class LocalPeer:
 
         def finish() -> Any:
             thread.join(NIXL_WAIT_S + 10)
+            if thread.is_alive():
+                raise SystemExit(f"bench peer: {op} did not finish within {NIXL_WAIT_S + 10} s")
             if "error" in box:
                 raise box["error"]
             return box.get("value")
@@ -204,7 +215,12 @@ class ChildPeer:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )
         self._busy = False
-        self.call("ping")  # the child is up and its receiver exists
+        try:
+            self.call("ping")  # the child is up and its receiver exists
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise
 
     def _send(self, op: str, kw: dict[str, Any]) -> None:
         if self._busy:

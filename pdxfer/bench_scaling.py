@@ -30,7 +30,7 @@ import torch
 from pdxfer import layout, transport
 
 from . import bench_report as br
-from .bench_peer import CHILD_NOTE, ChildPeer, LocalPeer
+from .bench_peer import CHILD_NOTE, ChildPeer, LocalPeer, crosses_processes
 from .cliargs import bounded_int
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -114,7 +114,7 @@ def run(backends: list[str], reps: int, tiny: bool, processes: int, out, report:
     progress = br.Progress(len(points) * len(backends), "points")
     for backend in backends:
         local = LocalPeer(biggest + 4 * MiB)
-        cross = transport.create(backend).capabilities.cross_process if processes == 2 else False
+        cross = processes == 2 and crosses_processes(backend)
         peer = ChildPeer(biggest + 4 * MiB) if cross else local
         tx = transport.create(backend)
         try:

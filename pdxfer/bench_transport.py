@@ -214,11 +214,11 @@ def legend(columns: list[str], streams: int, processes: int = 1) -> dict[str, st
     return out
 
 
-def _pairs(backends: list[str], src: np.ndarray, local: LocalPeer, remote: Peer,
-           columns: list[str]) -> tuple[dict[str, _EnginePair], _RawPair | None, dict[str, RawNixlPair]]:
-    """Open every method's endpoints (appending their columns); loopback always in this process."""
-    pairs: dict[str, _EnginePair] = {}
-    raw, nixls = None, {}
+def _pairs(backends: list[str], src: np.ndarray, local: LocalPeer, remote: Peer, columns: list[str],
+           pairs: dict[str, _EnginePair], nixls: dict[str, RawNixlPair]) -> _RawPair | None:
+    """Open every method's endpoints into `pairs`/`nixls` (so a failure halfway still closes
+    what opened), appending their columns; returns the raw socket pair, if tcp runs."""
+    raw = None
     if "loopback" in backends:
         pairs["loopback"] = _EnginePair("loopback", src, local, local)
         columns += ["loopback", "loopback/memcpy", "loopback/(memcpy/seg)"]
@@ -229,7 +229,8 @@ def _pairs(backends: list[str], src: np.ndarray, local: LocalPeer, remote: Peer,
         columns += ["raw socket", _tcp_col(pairs), "tcp/raw", "tcp 1 stream"]
     if "nixl" in backends:
         # NIXL itself, on the transports our nixl backend uses and on UCX's own choice.
-        nixls = {RAW_TCP: RawNixlPair(src, remote, "tcp"), RAW_DEFAULT: RawNixlPair(src, remote, "")}
+        nixls[RAW_TCP] = RawNixlPair(src, remote, "tcp")
+        nixls[RAW_DEFAULT] = RawNixlPair(src, remote, "")
         columns += [RAW_TCP, RAW_DEFAULT] + (["tcp/raw NIXL (UCX default)"] if raw is not None else [])
     # Any other backend gets its figure beside the memcpy and, when tcp
     # runs too, its ratio to tcp: the socket path every host has.
@@ -240,7 +241,7 @@ def _pairs(backends: list[str], src: np.ndarray, local: LocalPeer, remote: Peer,
             columns.append("nixl/raw NIXL (tcp)")
         if hasattr(pairs[name].conn, "wrs"):
             columns.append(f"{name} WRs/doorbells")
-    return pairs, raw, nixls
+    return raw
 
 
 def _tcp_col(pairs: dict[str, _EnginePair]) -> str:
@@ -282,10 +283,11 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
     remote: Peer = local if processes == 1 else ChildPeer(total)
     columns = ["case", "memcpy", "memcpy/seg"]
     pairs: dict[str, _EnginePair] = {}
-    raw, nixls = None, {}
+    nixls: dict[str, RawNixlPair] = {}
+    raw = None
     results: list[dict[str, float | str]] = []
     try:
-        pairs, raw, nixls = _pairs(backends, src, local, remote, columns)
+        raw = _pairs(backends, src, local, remote, columns, pairs, nixls)
         emit = br.markdown(columns, out)
         progress = br.Progress(len(SEGMENTS) * 2, "cases")
         for seg in SEGMENTS:
