@@ -109,11 +109,11 @@ class Receiver:
                 got += k
 
     # -- raw NIXL ----------------------------------------------------------------
-    def nixl(self, name: str, tls: str) -> dict[str, Any]:
+    def nixl(self, name: str, tls: str, device: str = "") -> dict[str, Any]:
         """A plain NIXL agent (NIXL's defaults; UCX transports `tls`, '' = UCX's own choice)."""
         from .bench_rawnixl import agent
 
-        a = agent(name, tls)
+        a = agent(name, tls, device)
         a.register_memory(torch.from_numpy(self.dst))
         self._agents[name] = a
         return {"metadata": a.get_agent_metadata(), "base": self.dst.ctypes.data}

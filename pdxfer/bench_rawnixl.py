@@ -29,12 +29,19 @@ import torch
 _ids = itertools.count()
 
 
-def agent(name: str, tls: str) -> Any:
-    """A NIXL agent with NIXL's defaults (progress thread on) and UCX limited to `tls` if given."""
+def agent(name: str, tls: str, device: str = "") -> Any:
+    """A NIXL agent with NIXL's defaults (progress thread on) and UCX limited to `tls` if given.
+
+    With `device`, exactly our nixl backend's agent instead (`nixl_wire.make_agent`:
+    UCX on that one interface, peer error handling, no progress thread — the
+    polling loops here progress it), to tell NIXL's cost from our configuration's.
+    """
     # Through the transport's NIXL edge: importing nixl_cu12 there routes its
     # log records away from stdout, which a bench child speaks on.
-    from pdxfer.transport.nixl_wire import nixl_agent, nixl_agent_config
+    from pdxfer.transport.nixl_wire import make_agent, nixl_agent, nixl_agent_config
 
+    if device:
+        return make_agent(name, tls, device)
     if not tls:
         return nixl_agent(name, nixl_agent_config())
     a = nixl_agent(name, nixl_agent_config(backends=[]))
@@ -52,13 +59,13 @@ def _descs(base: int, table: np.ndarray, col: int) -> np.ndarray:
 class RawNixlPair:
     """A sending NIXL agent here and a receiving one in `peer` (this process or a child)."""
 
-    def __init__(self, src: np.ndarray, peer: Any, tls: str) -> None:
+    def __init__(self, src: np.ndarray, peer: Any, tls: str, device: str = "") -> None:
         tag = f"{uuid.uuid4().hex[:8]}-{next(_ids)}"
         self.tx_name, self.rx_name = f"raw-tx-{tag}", f"raw-rx-{tag}"
         self.peer = peer
-        self.tx = agent(self.tx_name, tls)
+        self.tx = agent(self.tx_name, tls, device)
         self.tx.register_memory(torch.from_numpy(src))
-        info = peer.call("nixl", name=self.rx_name, tls=tls)
+        info = peer.call("nixl", name=self.rx_name, tls=tls, device=device)
         self.tx.add_remote_agent(info["metadata"])
         self.src_base, self.dst_base = src.ctypes.data, info["base"]
         self._prepped: list[Any] = []
