@@ -40,9 +40,10 @@ import torch
 from pdxfer import layout, transport
 
 from . import bench_report as br
+from .bench_decode import LocalDecode
+from .bench_peer import ChildPeer, crosses_processes
 from .cliargs import bounded_int
 from .config import EngineConfig, KVPoll
-from .decode import DecodeEngine
 from .prefill import PrefillEngine
 
 PAGES = 16
@@ -103,21 +104,30 @@ class _Timed:
         return timed
 
 
-def _bench_engine(backend: str, kind: str, reqs: list, batch: int) -> dict[str, Any]:
+def _decode_side(backend: str, processes: int) -> Any:
+    """The decode engine's driver: in a child process when asked and the backend can cross one."""
+    if processes == 2 and crosses_processes(backend):
+        return ChildPeer(0, module="pdxfer.bench_decode")
+    return LocalDecode()
+
+
+def _bench_engine(backend: str, kind: str, reqs: list, batch: int, processes: int = 1) -> dict[str, Any]:
     cfg = EngineConfig(transport=backend, timeout=30.0)
     kv_n, st_n = 4096, 256
     prefill = PrefillEngine(_pools(kind, kv_n, st_n), cfg)
-    decode = DecodeEngine(_pools(kind, kv_n, st_n), cfg)
+    decode = _decode_side(backend, processes)
     rows, busy, segs, transfers = [], 0.0, [], set()
     plan, write = _Timed(), _Timed()
     conn_cls = None
     orig_plan = layout.plan_segments
     layout.plan_segments = plan.wrap(orig_plan)  # what pools.Route.plan calls
     try:
+        decode.call("open", backend=backend, kind=kind, kv_entries=kv_n, state_entries=st_n)
         for start in range(0, len(reqs), batch):
             chunk = list(enumerate(reqs[start:start + batch], start))
-            for i, (_, dst) in chunk:
-                decode.expect(f"r{i}", prefill.bootstrap_address, dst)
+            rids = [f"r{i}" for i, _ in chunk]
+            decode.call("expect", rids=rids, addr=prefill.bootstrap_address,
+                        indices=[{p: v.tolist() for p, v in dst.items()} for _, (_, dst) in chunk])
             for i, _ in chunk:  # until the prefill has every Expect: time send() alone
                 while True:
                     try:
@@ -136,15 +146,16 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int) -> dict[str, 
                 t = time.thread_time()
                 prefill.send(f"r{i}", src)
                 rows.append((time.thread_time() - t, plan.total, write.total))
-            for i, _ in chunk:
-                decode.wait(f"r{i}", 60.0)
-                prefill.wait(f"r{i}", 60.0)
+            decode.call("wait", rids=rids)
+            for rid in rids:
+                prefill.wait(rid, 60.0)
             busy += time.perf_counter() - t0
-            for i, _ in chunk:
-                segs.append(decode.stats(f"r{i}").segments)
-                transfers.add(decode.stats(f"r{i}").transfers)
-                decode.release(f"r{i}")
-                prefill.release(f"r{i}")
+            stats = decode.call("stats", rids=rids)
+            segs += stats["segments"]
+            transfers.update(stats["transfers"])
+            decode.call("release", rids=rids)
+            for rid in rids:
+                prefill.release(rid)
     finally:
         layout.plan_segments = orig_plan
         if conn_cls is not None:
@@ -161,15 +172,15 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int) -> dict[str, 
             "raw_us": [[round(v * 1e6, 3) for v in r] for r in rows]}
 
 
-def _bench_transport(backend: str, kind: str, reqs: list, batch: int) -> dict[str, float]:
+def _bench_transport(backend: str, kind: str, reqs: list, batch: int, processes: int = 1) -> dict[str, float]:
     kv_n, st_n = 4096, 256
     src, dst = _pools(kind, kv_n, st_n), _pools(kind, kv_n, st_n)
-    a, b = transport.create(backend), transport.create(backend)
+    a, b = transport.create(backend), _decode_side(backend, processes)
     try:
         local = {p: [a.register(buf) for buf in layout.arena_buffers(arena)] for p, arena in src.items()}
-        remote = {p: [b.register(buf).descriptor() for buf in layout.arena_buffers(arena)]
-                  for p, arena in dst.items()}
-        conn = a.connect(b.address())
+        far = b.call("bare", backend=backend, kind=kind, kv_entries=kv_n, state_entries=st_n)
+        remote = far["descriptors"]
+        conn = a.connect(far["address"])
         plans, posts, busy = [], [], 0.0
         tables = []
         for s, d in reqs:
@@ -244,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests in flight per batch (1..4096)")
     parser.add_argument("--backends", default=",".join(transport.available()),
                         help="comma-separated transports (default: all available)")
+    parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
+                        help="2: the decode side in a child process, as deployed (default 1)")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
@@ -253,11 +266,11 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', '.join(transport.available())}")
     br.check_outputs(parser, args)
     report = br.Report("engine", backends, {"requests": args.requests, "batch": args.batch,
-                                         "pages": PAGES})
+                                         "pages": PAGES, "processes": args.processes})
     reqs = _requests(args.requests, 4096, 256, seed=0)
     print(f"requests of {PAGES} KV pages ({layout.entry_bytes_for(KV_FIELDS) // 1024} KiB each) + 1 state "
           f"entry ({layout.entry_bytes_for(STATE_FIELDS) // 1024} KiB); {args.requests} requests, "
-          f"{args.batch} in flight; medians per request")
+          f"{args.batch} in flight; medians per request; {args.processes} process(es)")
     print(br.machine_line())
     print()
     emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True))
@@ -265,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for backend in backends:
         for kind in KINDS:
-            eng = _bench_engine(backend, kind, reqs, args.batch)
-            raw = _bench_transport(backend, kind, reqs, args.batch)
+            eng = _bench_engine(backend, kind, reqs, args.batch, args.processes)
+            raw = _bench_transport(backend, kind, reqs, args.batch, args.processes)
             per_field = 1 if kind == "entry-major" else sum(f.layers for f in KV_FIELDS)
             want = [_runs(s["kv"], d["kv"]) * per_field + 1 for s, d in reqs]
             if eng["segments"] != want or raw["segments"] != want or eng["transfers"] != raw["transfers"]:

@@ -65,6 +65,17 @@ def add_output_args(parser: argparse.ArgumentParser, plot: bool = True) -> None:
                             help="draw the figures to PATH (PNG/SVG; needs pip install pdxfer[plot])")
 
 
+def backends(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """`--backends a,b` as a list, or `parser.error` naming the ones not installed."""
+    from pdxfer import transport  # here: `pdxfer bench --help` should not import the backends
+
+    names = [b for b in text.split(",") if b]
+    unknown = sorted(set(names) - set(transport.available()))
+    if unknown or not names:
+        parser.error(f"backends {unknown} are not installed; choose from {', '.join(transport.available())}")
+    return names
+
+
 def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse unwritable output paths and a missing matplotlib before measuring anything."""
     for flag in ("json", "plot"):
@@ -122,6 +133,19 @@ class Report:
     def row(self, row: dict[str, Any]) -> None:
         """One printed row, as numbers."""
         self.data["rows"].append(row)
+
+    def finish(self, meanings: dict[str, str], shown: list[str], rows: Iterable[dict[str, Any]],
+               out: Callable[[str], None] = print) -> None:
+        """Print the legend of the columns shown and keep it, with every row, for `write`."""
+        print_legend(meanings, shown, out)
+        self.data["columns"] = meanings
+        for r in rows:
+            self.row(r)
+
+    def note(self, extra: str) -> str:
+        """A figure's footnote: the machine and its load at the start, then `extra`."""
+        m = self.data["machine"]
+        return f"{m['host']}, {m['cores']} cores, load {m['loadavg'][0]:.1f}, {extra}"
 
     def write(self, path: Path | None, columns: dict[str, str]) -> None:
         if path is None:

@@ -16,7 +16,15 @@ shows) and with destination slots shuffled. Per case, in the same run:
 - `tcp`: one `write` between two tcp engines (default stream count), and
   `tcp 1 stream` to show what striping adds;
 - any other installed backend (`nixl`): one `write` between two engines,
-  beside memcpy and tcp.
+  beside memcpy and tcp;
+- with nixl installed, `raw NIXL (tcp)` and `raw NIXL (UCX default)`: NIXL
+  agents used directly (`bench_rawnixl`: prepared descriptor lists, one
+  reposted request), on our nixl backend's UCX transports and on UCX's own
+  choice — the baselines `nixl` and `tcp` are held to.
+
+`--processes 2` puts every receiving endpoint that can live in another
+process (`bench_peer.ChildPeer`) in a child process, as deployed: sender and
+receiver then share no GIL. memcpy and loopback stay in this process.
 
 Every figure is the median of `--reps` timed runs after one warm-up; the
 destination is zeroed before each run and its crc32 compared with the
@@ -31,7 +39,6 @@ import argparse
 import socket
 import statistics
 import sys
-import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -42,7 +49,13 @@ import torch
 from pdxfer import transport
 
 from . import bench_report as br
+from .bench_peer import CHILD_NOTE, ChildPeer, LocalPeer
+from .bench_rawnixl import RawNixlPair
 from .cliargs import bounded_int
+
+Peer = LocalPeer | ChildPeer
+Run = tuple[Callable[[], None], int, Peer]
+RAW_TCP, RAW_DEFAULT = "raw NIXL (tcp)", "raw NIXL (UCX default)"
 
 MiB = 1 << 20
 SEGMENTS = (4 * MiB, 64 * 1024, 4 * 1024)
@@ -65,9 +78,8 @@ def _expected_crc(src: np.ndarray, table: np.ndarray) -> int:
     return zlib.crc32(out)
 
 
-def _measure(runs: dict[str, tuple[Callable[[], None], int]], dst: np.ndarray,
-             reps: int) -> dict[str, list[float]]:
-    """Seconds of each timed run by method, every run verified by crc32 of the destination.
+def _measure(runs: dict[str, Run], reps: int) -> dict[str, list[float]]:
+    """Seconds of each timed run by method, every run verified by crc32 of its destination.
 
     The methods take turns within each repetition rather than running their
     reps back to back, so a burst of load from other processes on a shared
@@ -75,12 +87,12 @@ def _measure(runs: dict[str, tuple[Callable[[], None], int]], dst: np.ndarray,
     """
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(reps + 1):
-        for name, (run, crc) in runs.items():
-            dst[:] = 0
+        for name, (run, crc, peer) in runs.items():
+            peer.call("zero")
             t0 = time.perf_counter()
             run()
             elapsed = time.perf_counter() - t0
-            got = zlib.crc32(dst)
+            got = peer.call("crc")
             if got != crc:
                 raise SystemExit(f"{name}: run {i} moved wrong bytes (crc32 {got:#x}, expected {crc:#x})")
             if i:  # round 0 warms caches, page tables and connections
@@ -91,46 +103,44 @@ def _measure(runs: dict[str, tuple[Callable[[], None], int]], dst: np.ndarray,
 class _RawPair:
     """A plain TCP connection over 127.0.0.1: one sendall / recv_into loop per segment."""
 
-    def __init__(self) -> None:
-        with socket.create_server(("127.0.0.1", 0)) as server:
-            self.tx = socket.create_connection(server.getsockname())
-            self.rx, _ = server.accept()
-        for s in (self.tx, self.rx):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        port = peer.call("raw_listen")
+        self.tx = socket.create_connection(("127.0.0.1", port))
+        self.tx.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer.call("raw_accept")
+        self.rows: list[list[int]] = []
 
-    def move(self, src: np.ndarray, dst: np.ndarray, table: np.ndarray) -> None:
-        rows = table.tolist()
-        sview, dview = memoryview(src), memoryview(dst)
+    def prepare(self, table: np.ndarray) -> None:
+        self.rows = table.tolist()
+        self.peer.call("raw_table", table=np.ascontiguousarray(table, dtype="<i8").tobytes())
 
-        def send() -> None:
-            for s, _, n in rows:
-                self.tx.sendall(sview[s:s + n])
-
-        sender = threading.Thread(target=send)
-        sender.start()
-        for _, d, n in rows:
-            got = 0
-            while got < n:
-                k = self.rx.recv_into(dview[d + got:d + n])
-                if k == 0:
-                    raise SystemExit("raw socket pair: peer closed")
-                got += k
-        sender.join()
+    def move(self, src: np.ndarray) -> None:
+        sview = memoryview(src)
+        landed = self.peer.start("raw_recv")
+        for s, _, n in self.rows:
+            self.tx.sendall(sview[s:s + n])
+        landed()
 
     def close(self) -> None:
         self.tx.close()
-        self.rx.close()
 
 
 class _EnginePair:
-    """Two engines of one backend with the benchmark buffers registered once."""
+    """An engine here and one of the same backend at `remote`, the buffers registered once.
 
-    def __init__(self, backend: str, src: np.ndarray, dst: np.ndarray, **options: object) -> None:
+    A backend that cannot cross processes (loopback, the verbs fabric) gets
+    its receiver in this process, `local`, whatever `--processes` says.
+    """
+
+    def __init__(self, backend: str, src: np.ndarray, local: LocalPeer, remote: Peer,
+                 **options: object) -> None:
         self.tx = transport.create(backend, **options)
-        self.rx = transport.create(backend, **options)
+        self.peer = peer = remote if self.tx.capabilities.cross_process else local
         self.local = self.tx.register(torch.from_numpy(src))
-        self.remote = self.rx.register(torch.from_numpy(dst)).descriptor()
-        self.conn = self.tx.connect(self.rx.address())
+        far = peer.call("engine", backend=backend, options=options)
+        self.remote = far["descriptor"]
+        self.conn = self.tx.connect(far["address"])
 
     def move(self, table: np.ndarray) -> None:
         self.conn.write(self.local, self.remote, table).wait(120)
@@ -145,28 +155,34 @@ class _EnginePair:
 
     def close(self) -> None:
         self.tx.close()
-        self.rx.close()
 
 
-def _runs(src: np.ndarray, dst: np.ndarray, table: np.ndarray, pairs: dict[str, _EnginePair],
-          raw: _RawPair | None) -> dict[str, tuple[Callable[[], None], int]]:
+def _runs(src: np.ndarray, local: LocalPeer, table: np.ndarray, pairs: dict[str, _EnginePair],
+          raw: _RawPair | None, nixls: dict[str, RawNixlPair]) -> dict[str, Run]:
     """Every method of one case, each with the crc32 its destination must end with."""
     crc = _expected_crc(src, table)
-    runs: dict[str, tuple[Callable[[], None], int]] = {
-        "memcpy": (lambda: np.copyto(dst, src), zlib.crc32(src)),
-        "memcpy/seg": (lambda: _copy_each(src, dst, table), crc),
+    dst = local.dst
+    runs: dict[str, Run] = {
+        "memcpy": (lambda: np.copyto(dst, src), zlib.crc32(src), local),
+        "memcpy/seg": (lambda: _copy_each(src, dst, table), crc, local),
     }
     for label, pair in pairs.items():
-        runs[label] = (lambda p=pair: p.move(table), crc)
+        runs[label] = (lambda p=pair: p.move(table), crc, pair.peer)
     if raw is not None:
-        runs["raw socket"] = (lambda: raw.move(src, dst, table), crc)
+        raw.prepare(table)
+        runs["raw socket"] = (lambda: raw.move(src), crc, raw.peer)
+    for label, rn in nixls.items():
+        rn.prepare(table)
+        runs[label] = (rn.move, crc, rn.peer)
     return runs
 
 
-def legend(columns: list[str], streams: int) -> dict[str, str]:
+def legend(columns: list[str], streams: int, processes: int = 1) -> dict[str, str]:
     """What each printed column means (GB/s unless a ratio)."""
+    where = "both sides in this process" if processes == 1 else CHILD_NOTE.lstrip("; ")
     fixed = {
-        "case": "segments x segment size; contiguous: row i -> slot i, shuffled: destination slots permuted",
+        "case": (f"segments x segment size; contiguous: row i -> slot i, shuffled: destination slots "
+                 f"permuted; {where}"),
         "memcpy": "one numpy.copyto of the whole buffer, GB/s (loopback's ceiling)",
         "memcpy/seg": "one numpy slice copy per segment, single thread, GB/s",
         "loopback": "one write of the whole table between two loopback engines, GB/s",
@@ -176,6 +192,11 @@ def legend(columns: list[str], streams: int) -> dict[str, str]:
         f"tcp ({streams} streams)": "one write between two tcp engines (default stream count), GB/s",
         "tcp/raw": "tcp GB/s over raw socket GB/s",
         "tcp 1 stream": "one write between two tcp engines with streams=1, GB/s",
+        RAW_TCP: ("NIXL agents used directly, UCX limited to tcp (as our nixl backend): descriptor "
+                  "lists and one request prepared per table, reposted per run, GB/s"),
+        RAW_DEFAULT: "the same with UCX's default transports (cma / shared memory on one host), GB/s",
+        "tcp/raw NIXL (UCX default)": "tcp GB/s over raw NIXL (UCX default) GB/s",
+        "nixl/raw NIXL (tcp)": "nixl GB/s over raw NIXL (tcp) GB/s",
     }
     out = {}
     for c in columns:
@@ -193,74 +214,107 @@ def legend(columns: list[str], streams: int) -> dict[str, str]:
     return out
 
 
+def _pairs(backends: list[str], src: np.ndarray, local: LocalPeer, remote: Peer, columns: list[str],
+           pairs: dict[str, _EnginePair], nixls: dict[str, RawNixlPair]) -> _RawPair | None:
+    """Open every method's endpoints into `pairs`/`nixls` (so a failure halfway still closes
+    what opened), appending their columns; returns the raw socket pair, if tcp runs."""
+    raw = None
+    if "loopback" in backends:
+        pairs["loopback"] = _EnginePair("loopback", src, local, local)
+        columns += ["loopback", "loopback/memcpy", "loopback/(memcpy/seg)"]
+    if "tcp" in backends:
+        raw = _RawPair(remote)
+        pairs["tcp"] = _EnginePair("tcp", src, local, remote)
+        pairs["tcp 1 stream"] = _EnginePair("tcp", src, local, remote, streams=1)
+        columns += ["raw socket", _tcp_col(pairs), "tcp/raw", "tcp 1 stream"]
+    if "nixl" in backends:
+        # NIXL itself, on the transports our nixl backend uses and on UCX's own choice.
+        nixls[RAW_TCP] = RawNixlPair(src, remote, "tcp")
+        nixls[RAW_DEFAULT] = RawNixlPair(src, remote, "")
+        columns += [RAW_TCP, RAW_DEFAULT] + (["tcp/raw NIXL (UCX default)"] if raw is not None else [])
+    # Any other backend gets its figure beside the memcpy and, when tcp
+    # runs too, its ratio to tcp: the socket path every host has.
+    for name in [b for b in backends if b not in ("loopback", "tcp")]:
+        pairs[name] = _EnginePair(name, src, local, remote)
+        columns += [name, f"{name}/memcpy"] + ([f"{name}/tcp"] if raw is not None else [])
+        if name == "nixl":
+            columns.append("nixl/raw NIXL (tcp)")
+        if hasattr(pairs[name].conn, "wrs"):
+            columns.append(f"{name} WRs/doorbells")
+    return raw
+
+
+def _tcp_col(pairs: dict[str, _EnginePair]) -> str:
+    return f"tcp ({pairs['tcp'].tx.streams} streams)"
+
+
+def _row(name: str, gbs: dict[str, float], pairs: dict[str, _EnginePair], table: np.ndarray) -> dict[str, str]:
+    """One printed row: GB/s per method and the ratios the columns name."""
+    row = {"case": name, **{k: f"{v:.2f}" for k, v in gbs.items()}}
+
+    def ratio(col: str, a: str, b: str) -> None:
+        if a in gbs and b in gbs:
+            row[col] = f"{gbs[a] / gbs[b]:.2f}x"
+
+    ratio("loopback/memcpy", "loopback", "memcpy")
+    ratio("loopback/(memcpy/seg)", "loopback", "memcpy/seg")
+    ratio("tcp/raw", "tcp", "raw socket")
+    ratio("tcp/raw NIXL (UCX default)", "tcp", RAW_DEFAULT)
+    ratio("nixl/raw NIXL (tcp)", "nixl", RAW_TCP)
+    for other in [p for p in pairs if p not in ("loopback", "tcp", "tcp 1 stream")]:
+        ratio(f"{other}/memcpy", other, "memcpy")
+        ratio(f"{other}/tcp", other, "tcp")
+        row[f"{other} WRs/doorbells"] = pairs[other].wrs(table)
+    if "tcp" in pairs:
+        row[_tcp_col(pairs)] = row.pop("tcp")
+    return row
+
+
 def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
-        report: br.Report | None = None) -> list[dict[str, float | str]]:
-    """Measure every case, print one markdown table and its legend; return GB/s per case."""
+        report: br.Report | None = None, processes: int = 1) -> list[dict[str, float | str]]:
+    """Measure every case, print one markdown table and its legend; return GB/s per case.
+
+    `processes=2` puts every receiving endpoint except loopback's (an
+    in-process backend by definition) in a child process.
+    """
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, total, dtype=np.uint8)
-    dst = np.zeros(total, dtype=np.uint8)
+    local = LocalPeer(total)
+    remote: Peer = local if processes == 1 else ChildPeer(total)
     columns = ["case", "memcpy", "memcpy/seg"]
     pairs: dict[str, _EnginePair] = {}
+    nixls: dict[str, RawNixlPair] = {}
     raw = None
-    tcp_col = ""
     results: list[dict[str, float | str]] = []
     try:
-        if "loopback" in backends:
-            pairs["loopback"] = _EnginePair("loopback", src, dst)
-            columns += ["loopback", "loopback/memcpy", "loopback/(memcpy/seg)"]
-        if "tcp" in backends:
-            raw = _RawPair()
-            pairs["tcp"] = _EnginePair("tcp", src, dst)
-            pairs["tcp 1 stream"] = _EnginePair("tcp", src, dst, streams=1)
-            tcp_col = f"tcp ({pairs['tcp'].tx.streams} streams)"
-            columns += ["raw socket", tcp_col, "tcp/raw", "tcp 1 stream"]
-        # Any other backend gets its figure beside the memcpy and, when tcp
-        # runs too, its ratio to tcp: the socket path every host has.
-        others = [b for b in backends if b not in ("loopback", "tcp")]
-        for name in others:
-            pairs[name] = _EnginePair(name, src, dst)
-            columns += [name, f"{name}/memcpy"] + ([f"{name}/tcp"] if raw is not None else [])
-            if hasattr(pairs[name].conn, "wrs"):
-                columns.append(f"{name} WRs/doorbells")
+        raw = _pairs(backends, src, local, remote, columns, pairs, nixls)
         emit = br.markdown(columns, out)
         progress = br.Progress(len(SEGMENTS) * 2, "cases")
         for seg in SEGMENTS:
             for shuffled in (False, True):
                 table = _table(total, seg, shuffled, rng)
-                times = _measure(_runs(src, dst, table, pairs, raw), dst, reps)
-                gbs = {k: dst.size / statistics.median(t) / 1e9 for k, t in times.items()}
+                times = _measure(_runs(src, local, table, pairs, raw, nixls), reps)
+                gbs = {k: total / statistics.median(t) / 1e9 for k, t in times.items()}
                 name = f"{total // seg} x {_size(seg)} {'shuffled' if shuffled else 'contiguous'}"
                 for method, seconds in times.items():
                     if report is not None:
                         report.sample(case=name, segment_bytes=seg, shuffled=shuffled,
                                       method=method, seconds=seconds, bytes=total)
                 results.append({"case": name, "segment_bytes": seg, "shuffled": shuffled, **gbs})
-                row = {"case": name, **{k: f"{v:.2f}" for k, v in gbs.items()}}
-                if "loopback" in gbs:
-                    row["loopback/memcpy"] = f"{gbs['loopback'] / gbs['memcpy']:.2f}x"
-                    row["loopback/(memcpy/seg)"] = f"{gbs['loopback'] / gbs['memcpy/seg']:.2f}x"
-                for other in others:
-                    row[f"{other}/memcpy"] = f"{gbs[other] / gbs['memcpy']:.2f}x"
-                    row[f"{other} WRs/doorbells"] = pairs[other].wrs(table)
-                    if raw is not None:
-                        row[f"{other}/tcp"] = f"{gbs[other] / gbs['tcp']:.2f}x"
-                if raw is not None:
-                    row[tcp_col] = row.pop("tcp")
-                    row["tcp/raw"] = f"{gbs['tcp'] / gbs['raw socket']:.2f}x"
-                emit(row)
+                emit(_row(name, gbs, pairs, table))
                 progress.step(name)
         streams = pairs["tcp"].tx.streams if "tcp" in pairs else 0
-        meanings = legend(columns, streams)
-        br.print_legend(meanings, columns, out)
+        meanings = legend(columns, streams, processes)
         if report is not None:
-            report.data["columns"] = meanings
-            for r in results:
-                report.row(r)
+            report.finish(meanings, columns, results, out)
+        else:
+            br.print_legend(meanings, columns, out)
     finally:
-        for pair in pairs.values():
-            pair.close()
-        if raw is not None:
-            raw.close()
+        for closing in [*pairs.values(), *nixls.values(), *([raw] if raw else [])]:
+            closing.close()
+        if remote is not local:
+            remote.close()
+        local.close()
     return results
 
 
@@ -301,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="32 MiB per case, for a smoke run")
     parser.add_argument("--backends", default=None,
                         help="comma-separated backends (default: every installed one)")
+    parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
+                        help="2: receivers in a child process, as deployed (default 1: one process)")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
     total = (32 if args.quick else args.total_mib) * MiB
@@ -310,15 +366,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"backends {sorted(unknown)} are not installed; choose from {', '.join(installed)}")
     br.check_outputs(parser, args)
-    report = br.Report("transport", backends, {"total_bytes": total, "reps": args.reps})
-    print(f"# pdxfer bench transport: {total // MiB} MiB per case, median of {args.reps} runs, GB/s")
+    report = br.Report("transport", backends,
+                       {"total_bytes": total, "reps": args.reps, "processes": args.processes})
+    print(f"# pdxfer bench transport: {total // MiB} MiB per case, median of {args.reps} runs, GB/s, "
+          f"{args.processes} process{'es' if args.processes > 1 else ''}")
     print(br.machine_line())
-    results = run(total, args.reps, backends, lambda line: print(line, flush=True), report)
+    results = run(total, args.reps, backends, lambda line: print(line, flush=True), report,
+                  args.processes)
     report.write(args.json, report.data["columns"])
     if args.plot is not None:
-        m = report.data["machine"]
-        plot(results, args.plot, f"{m['host']}, {m['cores']} cores, load {m['loadavg'][0]:.1f}, "
-             f"{total // MiB} MiB per case, median of {args.reps}")
+        plot(results, args.plot, report.note(f"{total // MiB} MiB per case, median of {args.reps}, "
+                                             f"{args.processes} process(es)"))
     return 0
 
 

@@ -29,6 +29,8 @@ _COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
         "layouts": ("pdxfer.bench_layouts",
                     "one model state shipped entry-major, layer-major and via a staging copy"),
         "tp": ("pdxfer.bench_tp", "heterogeneous TP: shard-major vs per-token/per-head slicing"),
+        "chunked": ("pdxfer.bench_chunked", "chunked prefill: transfer hidden behind compute vs sending after"),
+        "scaling": ("pdxfer.bench_scaling", "GB/s and us per request against request size, entry- vs layer-major"),
     },
 }
 

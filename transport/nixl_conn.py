@@ -33,6 +33,7 @@ import numpy as np
 from . import nixl_wire
 from .base import Connection, LocalRegion, TransferHandle
 from .control_link import ControlLink
+from .copying import coalesce_posted
 from .errors import PeerLostError, ProtocolError, RegistrationError, TransportError
 from .handles import Handle
 from .nixl_peer import gpu_of
@@ -136,6 +137,7 @@ class NixlConnection(ControlLink, Connection):
             self._pending[seq] = handle  # before posting: the ack may beat us back
         try:
             if table.shape[0]:
+                table = coalesce_posted(table)
                 src_gpu = gpu_of(src)
                 engine._post(self, seq, self._descs(src.start, table, 0, src_gpu),
                              self._descs(base, table, 1, dst_gpu), pack_note(seq, payload),

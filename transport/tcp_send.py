@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .base import Connection, LocalRegion, TransferHandle
+from .copying import coalesce_posted
 from .errors import (
     ClosedError,
     PeerLostError,
@@ -192,7 +193,7 @@ class TcpConnection(Connection):
         nbytes = check_table(table, src.length, length)
         payload = check_notify(notify)
         event = capture(ready, src.data.device)
-        stripes = plan_stripes(table, len(self._streams))
+        stripes = plan_stripes(coalesce_posted(table), len(self._streams))
         with self._lock:
             if self._error is not None:
                 raise self._error

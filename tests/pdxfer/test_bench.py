@@ -94,3 +94,77 @@ def test_progress_reports_rows_elapsed_and_eta_only_on_long_runs() -> None:
     lines = loud.getvalue().splitlines()
     assert lines[0].startswith("[1/3 rows, ") and "s elapsed, ETA " in lines[0]
     assert lines[-1].startswith("[3/3 rows, ") and lines[-1].endswith("ETA 0 s] row 2")
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_bench_transport_raw_nixl_columns_and_two_processes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], processes: str) -> None:
+    pytest.importorskip("nixl_cu12", reason="raw NIXL columns need the nixl extra")
+    path = tmp_path / "t.json"
+    assert cli.main(["bench", "transport", "--total-mib", "4", "--reps", "1", "--backends", "tcp,nixl",
+                     "--processes", processes, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    columns, legend = _table_and_legend(out)
+    assert legend == columns
+    assert {"raw NIXL (tcp)", "raw NIXL (UCX default)", "nixl/raw NIXL (tcp)",
+            "tcp/raw NIXL (UCX default)"} <= set(columns)
+    data = json.loads(path.read_text())
+    assert data["params"]["processes"] == int(processes)
+    # every method ran every case once, each run crc-checked (a wrong byte aborts the bench)
+    methods = {"memcpy", "memcpy/seg", "raw socket", "tcp", "tcp 1 stream", "nixl",
+               "raw NIXL (tcp)", "raw NIXL (UCX default)"}
+    assert {s["method"] for s in data["samples"]} == methods
+    assert len(data["samples"]) == 6 * len(methods)
+
+
+def test_bench_scaling_tiny_both_layouts_every_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.json"
+    assert cli.main(["bench", "scaling", "--tiny", "--reps", "1", "--backends", "loopback",
+                     "--json", str(path)]) == 0
+    columns, legend = _table_and_legend(capsys.readouterr().out)
+    assert legend == columns
+    rows = json.loads(path.read_text())["rows"]
+    # tiny: 1, 4, 16 pages and 64 KiB, 256 KiB entries, each in both layouts (bytes crc-checked)
+    assert {(r["pool"], r["entries"], r["entry_bytes"]) for r in rows} == {
+        ("kv pages", 1, 65536), ("kv pages", 4, 65536), ("kv pages", 16, 65536),
+        ("state entry", 1, 65536), ("state entry", 1, 262144)}
+    for r in rows:
+        if r["layout"] == "layer-major":  # one row per field x layer x run: 16 per entry-major row
+            twin = next(e for e in rows if e["layout"] == "entry-major" and e["pool"] == r["pool"]
+                        and e["entries"] == r["entries"] and e["entry_bytes"] == r["entry_bytes"])
+            assert r["segments"] == 16 * twin["segments"]
+        assert r["bytes"] == r["entries"] * r["entry_bytes"] and len(r.keys()) > 5
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_bench_chunked_reports_exposed_time_per_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     processes: str) -> None:
+    path = tmp_path / "c.json"
+    assert cli.main(["bench", "chunked", "--pages", "8", "--chunks", "4", "--compute-ms", "1",
+                     "--reps", "1", "--backends", "tcp", "--processes", processes,
+                     "--json", str(path)]) == 0
+    columns, legend = _table_and_legend(capsys.readouterr().out)
+    assert legend == columns
+    data = json.loads(path.read_text())
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert set(rows) == {"chunked", "after", "transfer only"}  # every request's entries crc-checked
+    assert rows["chunked"]["chunks"] == 4 and rows["after"]["chunks"] == 1
+    assert rows["chunked"]["compute_ms"] == rows["after"]["compute_ms"] == 4.0
+    assert rows["transfer only"]["compute_ms"] == 0.0
+    assert rows["chunked"]["hidden"] == pytest.approx(
+        1 - rows["chunked"]["exposed_ms"] / rows["after"]["exposed_ms"])
+    assert all(len(s["seconds"]) == 1 for s in data["samples"])
+
+
+def test_bench_engine_two_processes_same_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "e.json"
+    assert cli.main(["bench", "engine", "--requests", "6", "--batch", "3", "--backends", "tcp",
+                     "--processes", "2", "--json", str(path)]) == 0
+    columns, legend = _table_and_legend(capsys.readouterr().out)
+    assert legend == columns and "engine req/s" in columns
+    data = json.loads(path.read_text())
+    assert data["params"]["processes"] == 2
+    # the bench itself exits if a request's segments differ from the runs it names
+    segs = {r["kv layout"]: r["segments"] for r in data["rows"]}
+    assert segs == {"entry-major": 17, "layer-major": 257, "per-layer tensors": 257}
+    assert all(r["engine_rps"] > 0 and r["bare_rps"] > 0 for r in data["rows"])

@@ -109,3 +109,19 @@ def test_failing_copy_raises_to_the_caller_and_close_is_idempotent(
     dst.flags.writeable = True
     pool.copy(src, dst, table)  # after close: the caller's thread alone, still exact
     assert_landed(src, dst, table)
+
+
+def test_coalesce_posted_merges_long_tables_and_leaves_request_sized_ones() -> None:
+    # What the tcp and nixl posting paths send: 65,536 in-order 4 KiB rows become one row
+    # (one iovec / one NIXL descriptor), the same bytes; a request-sized table is passed as is.
+    n, seg = 65536, 4096
+    rows = np.stack([np.arange(n) * seg, np.arange(n) * seg + 8192, np.full(n, seg)], 1).astype(np.int64)
+    assert copying.coalesce_posted(rows).tolist() == [[0, 8192, n * seg]]
+    small = rows[:16]
+    assert copying.coalesce_posted(small) is small
+    shuffled = rows.copy()
+    slots = np.random.default_rng(0).permutation(n)
+    shuffled[:, 1] = slots * seg
+    out = copying.coalesce_posted(shuffled)
+    joins = int(np.count_nonzero(slots[1:] == slots[:-1] + 1))  # neighbours adjacent by chance
+    assert out.shape[0] == n - joins and out[:, 2].sum() == n * seg
