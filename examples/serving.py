@@ -108,11 +108,7 @@ def parse_worker_args(parser: argparse.ArgumentParser, argv: list[str] | None) -
 
 def cross_process(name: str) -> bool:
     """Whether backend `name` connects separate processes (asked, not guessed)."""
-    engine = transport.create(name)
-    try:
-        return engine.capabilities.cross_process
-    finally:
-        engine.close()
+    return transport.capabilities(name).cross_process
 
 
 def options_from_args(args: argparse.Namespace, device: str) -> WorkerOptions:

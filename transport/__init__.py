@@ -23,7 +23,7 @@ from .errors import (
     TransferTimeout,
     TransportError,
 )
-from .registry import available, create, variants
+from .registry import available, capabilities, create, variants
 
 __all__ = [
     "BoundsError",
@@ -41,6 +41,7 @@ __all__ = [
     "TransportEngine",
     "TransportError",
     "available",
+    "capabilities",
     "create",
     "variants",
 ]

@@ -12,7 +12,7 @@ import importlib
 import inspect
 from typing import Any
 
-from .base import TransportEngine
+from .base import Capabilities, TransportEngine
 from .errors import CapabilityError
 
 # name -> (module, class, how to get it). Adding a backend is one line here.
@@ -61,6 +61,17 @@ def _importable(name: str) -> bool:
     except CapabilityError:
         return False
     return True
+
+
+def capabilities(name: str) -> Capabilities:
+    """What backend `name` can do in its default configuration, without creating an engine.
+
+    The class's flags: one place answers "may its peers live in another
+    process?" for launchers, benches and tests alike. An instance may differ
+    where an option changes the answer (nixl's `tls`: `fence`, `cuda_memory`);
+    ask `engine.capabilities` for those. `CapabilityError` if it is absent.
+    """
+    return _load(name).capabilities
 
 
 def options(name: str) -> tuple[frozenset[str], frozenset[str]]:

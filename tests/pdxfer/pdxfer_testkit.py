@@ -21,15 +21,7 @@ from pdxfer import EngineConfig, layout, transport
 BACKENDS = transport.available()
 
 
-def _cross_process(name: str) -> bool:
-    eng = transport.create(name)
-    try:
-        return eng.capabilities.cross_process
-    finally:
-        eng.close()
-
-
-CROSS_PROCESS = [b for b in BACKENDS if _cross_process(b)]
+CROSS_PROCESS = [b for b in BACKENDS if transport.capabilities(b).cross_process]
 
 
 def config(backend: str, **kw) -> EngineConfig:
