@@ -229,6 +229,11 @@ def check_indices(
     """
     arr = _as_indices(idx, what)
     entries, first_live = _index_space(arena)
+    if 0 < arr.size <= _SMALL:  # plain ints prove a good request; a bad one is worded below
+        vals = arr.tolist()
+        if (min(vals) >= first_live and max(vals) < entries
+                and (not unique or len(set(vals)) == len(vals))):
+            return arr.astype(np.int64, copy=True)
     _check_range(arr, first_live, entries, what)
     out = arr.astype(np.int64, copy=True)
     if unique:
