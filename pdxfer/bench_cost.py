@@ -22,6 +22,9 @@ themselves, many times, and splits them:
   tables the engine posted on a bare transport pair — the floor the engine
   adds to.
 
+A second table (`bench_rate`) sets the engine's requests/s and latency
+beside the bare transport's on the same tables (issue #13 goal 2).
+
 Every figure is a median over all calls, in microseconds, of wall time
 (`perf_counter`) and, for the totals, also the calling thread's CPU time
 (`thread_time`). On a shared machine the first measures who else held the
@@ -33,22 +36,25 @@ as in serving.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from typing import Any
 
+import numpy as np
+
 from pdxfer import layout, transport
 
+from . import bench_rate as rate
 from . import bench_report as br
 from . import decode as decode_mod
 from .bench_engine import KV_FIELDS, PAGES, STATE_FIELDS, _pools, _requests
+from .bench_rate import KV_ENTRIES, STATE_ENTRIES, _ready
 from .cliargs import bounded_int
-from .config import EngineConfig, KVPoll
+from .config import EngineConfig
 from .decode import DecodeEngine
 from .pools import Route
 from .prefill import PrefillEngine
-
-KV_ENTRIES, STATE_ENTRIES = 4096, 256
 
 
 class _Split:
@@ -71,16 +77,6 @@ class _Split:
 
 def _med(values: list[float]) -> float:
     return statistics.median(values) / 1000.0 if values else float("nan")
-
-
-def _ready(prefill: PrefillEngine, rids: list[str]) -> None:
-    """Until the prefill holds every rid's Expect, so send() posts at once."""
-    deadline = time.monotonic() + 60.0
-    for rid in rids:
-        while prefill.try_poll(rid) is not KVPoll.WaitingForInput:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{rid}: the prefill never saw its Expect")
-            time.sleep(0.0002)
 
 
 def _engine_pass(backend: str, reqs: list, batch: int, split: bool) -> dict[str, list]:
@@ -180,6 +176,40 @@ COLUMNS = {
 }
 
 
+RATE_COLUMNS = {
+    "backend": "transport backend",
+    "engine req/s": "requests/s through both engines, --batch in flight (median of rounds)",
+    "bare req/s": "requests/s posting the same planned tables on a bare connection",
+    "engine/bare": "engine req/s over bare req/s, each round's pair taken together (median)",
+    "engine p50 us": "latency send() -> decode Success, one request at a time",
+    "engine p99 us": "... its 99th percentile",
+    "bare p50 us": "latency posting the same tables with a notify each -> the receiver's last notify",
+    "bare p99 us": "... its 99th percentile",
+}
+
+
+def _rates(backend: str, reqs: list, args: argparse.Namespace) -> dict[str, Any]:
+    """Goal 2's row: engine and bare requests/s and latency, rounds alternating."""
+    pools = functools.partial(_pools, "entry-major", KV_ENTRIES, STATE_ENTRIES)
+    rng = np.random.default_rng(1)
+    small = [({"kv": rng.choice(KV_ENTRIES, args.latency_pages, replace=False), "state": np.array([i % STATE_ENTRIES])},
+              {"kv": rng.choice(KV_ENTRIES, args.latency_pages, replace=False), "state": np.array([i % STATE_ENTRIES])})
+             for i in range(args.latency)]
+    eng_rps, bare_rps, ratios, eng_lat, bare_lat = [], [], [], [], []
+    for _ in range(args.rounds):
+        e = rate.engine_run(pools, backend, reqs, args.batch, small)
+        b = rate.bare_run(pools, backend, reqs, args.batch, small)
+        eng_rps.append(e["rps"])
+        bare_rps.append(b["rps"])
+        ratios.append(e["rps"] / b["rps"])
+        eng_lat += e["latency_ns"]
+        bare_lat += b["latency_ns"]
+    return {"backend": backend, "engine req/s": statistics.median(eng_rps),
+            "bare req/s": statistics.median(bare_rps), "engine/bare": statistics.median(ratios),
+            "engine p50 us": rate.percentile(eng_lat, 0.5), "engine p99 us": rate.percentile(eng_lat, 0.99),
+            "bare p50 us": rate.percentile(bare_lat, 0.5), "bare p99 us": rate.percentile(bare_lat, 0.99)}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print one markdown table."""
     parser = argparse.ArgumentParser(prog="pdxfer bench request-cost",
@@ -188,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per pass (at least 1)")
     parser.add_argument("--batch", type=bounded_int(1, 4096), default=100,
                         help="expects (then sends) issued back to back per batch (1..4096)")
+    parser.add_argument("--rounds", type=bounded_int(1, 100), default=2,
+                        help="alternating rounds of each measurement (1..100)")
+    parser.add_argument("--latency", type=bounded_int(1), default=300,
+                        help="requests timed one at a time for latency (at least 1)")
+    parser.add_argument("--latency-pages", type=bounded_int(1, 64), default=1,
+                        help="KV pages per latency request (1..64)")
     parser.add_argument("--backends", default="loopback,tcp",
                         help="comma-separated transports (default: loopback,tcp)")
     br.add_output_args(parser, plot=False)
@@ -207,9 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     print(br.machine_line())
     print()
     emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True))
+    rows = []
     for backend in backends:
-        whole = _engine_pass(backend, reqs, args.batch, split=False)
-        parts = _engine_pass(backend, reqs, args.batch, split=True)
+        whole: dict[str, list] = {}
+        parts: dict[str, list] = {}
+        for _ in range(args.rounds):  # alternating, so load bursts hit both passes
+            for acc, split in ((whole, False), (parts, True)):
+                for k, v in _engine_pass(backend, reqs, args.batch, split).items():
+                    acc.setdefault(k, []).extend(v)
         bare = _bare(backend, reqs, args.requests)
         own = [s - p - q for s, p, q in zip(parts["send"], parts["plan"], parts["post"], strict=True)]
         row = {"backend": backend,
@@ -223,6 +264,18 @@ def main(argv: list[str] | None = None) -> int:
         report.sample(backend=backend, send_ns=whole["send"], expect_ns=whole["expect"])
         emit({k: row[k.replace(" ", "_")] if k == "backend" else f"{row[k.replace(' ', '_')]:.1f}"
               for k in COLUMNS})
+        rows.append(_rates(backend, reqs, args))
+    print()
+    print(f"requests/s with {args.batch} in flight, and latency of {args.latency} requests of "
+          f"{args.latency_pages} page(s) + 1 state entry sent one at a time (send() to decode "
+          f"Success; bare: post to the receiver's last notify); {args.rounds} alternating rounds")
+    print()
+    emit = br.markdown(list(RATE_COLUMNS), lambda line: print(line, flush=True))
+    for row in rows:
+        report.row(row)
+        emit({k: row[k] if isinstance(row[k], str) else f"{row[k]:.{2 if 'engine/' in k else 0}f}"
+              for k in RATE_COLUMNS})
     br.print_legend(COLUMNS, list(COLUMNS))
-    report.write(args.json, COLUMNS)
+    br.print_legend(RATE_COLUMNS, list(RATE_COLUMNS))
+    report.write(args.json, {**COLUMNS, **RATE_COLUMNS})
     return 0
