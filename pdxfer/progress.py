@@ -64,6 +64,20 @@ class Progress:
             self._woken = True
             self.wake()
 
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue `fn(*args)` like `call`, but leave waking the loop to `kick()`.
+
+        For a caller holding a lock the loop's handlers take: the wake-up is a
+        system call, which lets the threads it wakes run into that lock.
+        """
+        self._commands.append((fn, args))
+
+    def kick(self) -> None:
+        """Wake the loop for what `post` queued (once no lock is held)."""
+        if self._commands and not self._woken:
+            self._woken = True
+            self.wake()
+
     def wake(self) -> None:
         try:
             self._wake_w.send(b"\0")
