@@ -341,12 +341,12 @@ def _plan_tiny(
     spans = [[(o, n) for o, n in _ranges(plane, checkpoint) if n > 0] for plane in planes]
     if len(src) > _TINY and any(len(r) > 1 for r in spans):
         return None
-    sl, dl = src.tolist(), dst.tolist()
+    dl = dst.tolist()
+    pairs = sorted(zip(src.tolist(), dl, strict=True), key=itemgetter(0))
     first_live, entries = live
-    if sl and (min(sl) < first_live or max(sl) >= entries or min(dl) < 0
-               or max(dl) >= dst_entries or len(set(dl)) != len(dl)):
+    if pairs and (pairs[0][0] < first_live or pairs[-1][0] >= entries or min(dl) < 0
+                  or max(dl) >= dst_entries or len(set(dl)) != len(dl)):
         return None
-    pairs = sorted(zip(sl, dl, strict=True), key=itemgetter(0))
     tables = []
     for plane, ranges in zip(planes, spans, strict=True):
         stride = plane.slot_stride

@@ -177,7 +177,7 @@ class Route:
     allocations need one transfer each.
     """
 
-    __slots__ = ("arena", "direct", "dst_entries", "groups", "pair", "proof", "single")
+    __slots__ = ("arena", "direct", "dst_entries", "groups", "pair", "per_entry", "proof", "single")
 
     def __init__(self, pools: PoolSet, name: str, remote_buffers: Any,
                  remote_regions: list[dict], remote_entries: int,
@@ -214,6 +214,9 @@ class Route:
             g = self.groups[0]
             self.single = (g[0], g[1], g[3][0], g[4][0])
         self.proof = self._proof()
+        # Bytes one entry ships (whole, checkpoint): a proven table's total without a sum.
+        self.per_entry = ((self.arena.entry_bytes, sum(n for _, n in self.arena.checkpoint_ranges))
+                          if self.proof is not None else (0, 0))
         # Per-layer tensors in allocations of their own: each buffer is a
         # region at shift 0 on both sides, so its table posts as planned.
         self.direct = None
@@ -263,7 +266,7 @@ class Route:
             if rs:
                 table[:, 1] += rs
             if self.proof is not None:
-                table = CheckedTable.proven(table, int(np.add.reduce(table[:, 2])), *self.proof)
+                table = CheckedTable.proven(table, len(src) * self.per_entry[checkpoint], *self.proof)
             return [(region, remote, table)]
         if self.direct is not None:
             return [(region, remote, tables[b]) for region, remote, b in self.direct

@@ -58,3 +58,20 @@ def test_a_peer_declaring_more_entries_than_its_region_holds_gets_the_full_check
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_the_proof_counts_the_bytes_the_rows_move(checkpoint: bool) -> None:
+    fields = [layout.EntryField("conv", 2, (3, 8), torch.float16),
+              layout.EntryField("ssm", 2, (8, 8), torch.float32, in_checkpoint=False)]
+    a, b = transport.create("loopback"), transport.create("loopback")
+    try:
+        ours = PoolSet({"s": layout.EntryMajorArena(fields, 64, "cpu")}, a)
+        hello = PoolSet({"s": layout.EntryMajorArena(fields, 64, "cpu")}, b).hello_fields()
+        route = peer_routes(ours, hello["pools"], hello["buffers"], hello["regions"])["s"]
+        src, dst = np.array([9, 3, 4, 40, 41]), np.array([1, 2, 3, 60, 61])
+        (_, _, table), = route.plan(src, dst, checkpoint)
+        assert table.proof[2] == int(table[:, 2].sum()) > 0
+    finally:
+        a.close()
+        b.close()
