@@ -30,6 +30,8 @@ shared by tcp's striping and its bounce-buffer batching.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from itertools import accumulate
 from operator import itemgetter
 from typing import Any
 
@@ -288,6 +290,16 @@ def balanced_parts(table: np.ndarray, parts: int) -> list[np.ndarray]:
     row whose cumulative bytes reach its share. Never returns an empty run.
     Shared by tcp striping (one run per stream) and loopback's copy threads.
     """
+    if 0 < table.shape[0] <= _TINY:  # plain ints: a dozen numpy calls cost more than the rows
+        sizes = table[:, -1].tolist()
+        total = sum(sizes)
+        if parts < 2 or total == 0:
+            return [table]
+        if max(sizes) <= -(-total // parts):  # no row to split: cut between rows
+            cum = list(accumulate(sizes))
+            bounds = [0, *(bisect_left(cum, total * k // parts) + 1 for k in range(1, parts)),
+                      table.shape[0]]
+            return [table[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
     total = int(table[:, -1].sum()) if table.shape[0] else 0
     if parts < 2 or total == 0:
         return [table]
