@@ -228,11 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated transports (default: loopback,tcp)")
     br.add_output_args(parser, plot=False)
     args = parser.parse_args(argv)
-    backends = [b for b in args.backends.split(",") if b]
-    unknown = sorted(set(backends) - set(transport.available()))
-    if unknown or not backends:
-        parser.error(f"backends {unknown} are not installed; choose from "
-                     f"{', '.join(transport.available())}")
+    backends = br.backends_arg(parser, args.backends)
     br.check_outputs(parser, args)
     report = br.Report("request-cost", backends, {"requests": args.requests, "batch": args.batch,
                                                   "pages": PAGES})
