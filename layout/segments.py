@@ -22,7 +22,7 @@ Small requests are the common case (a request names tens of pages, one state
 entry), and there numpy's constant cost per call, not the work, is the bill:
 so the number of numpy calls is what is kept small. Up to `_TINY` pairs (up
 to `_SMALL` when each entry ships one range) plan in plain int arithmetic
-(`_plan_tiny`), which only ever accepts: anything it
+(`small_plan._plan_tiny`), which only ever accepts: anything it
 doubts goes down the vectorised path, which words the refusal — one place
 states each rule's message. Up to `_SMALL` indices, sorting (a few calls on a
 few elements) replaces the bitmaps that pay off only for big requests. A
@@ -34,7 +34,6 @@ the table in place, without building and merging per-row byte columns.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import itemgetter
 
 import numpy as np
 import torch
@@ -43,25 +42,17 @@ from .arenas import EntryMajorArena, LayerMajorArena, SplitEntryMajorArena
 from .errors import LayoutError
 from .fields import _require_int
 from .per_layer import PerLayerArena
+from .small_plan import _empty, _plan_tiny, _ranges
 
 _KINDS = ("EntryMajorArena, SplitEntryMajorArena, LayerMajorArena, PerLayerArena, "
           "PageMajorMHAArena, PageMajorMambaArena")
 
 Arena = EntryMajorArena | SplitEntryMajorArena | LayerMajorArena | PerLayerArena
 
-# At most this many pairs plan in plain ints (`_plan_tiny`) whatever their
-# ranges: a state entry or a decode step's page; with one range per entry, up
-# to `_SMALL` (16 scattered pages: ~11 us against ~19 us for the vectorised
-# path, measured side by side). Each numpy call costs ~0.5-2 us whatever its size.
-_TINY = 3
 # Up to this many indices, a sort of a few elements beats a bitmap over the
 # whole index space (which costs the space, not the request), and whole
 # entries plan in plain ints.
 _SMALL = 64
-
-
-def _empty() -> np.ndarray:
-    return np.empty((0, 3), dtype=np.int64)
 
 
 def _unknown(arena: object) -> LayoutError:
@@ -319,73 +310,6 @@ def _plan_slots(pair: np.ndarray, stride: int, off: int, n: int) -> np.ndarray:
     return out
 
 
-def _plan_tiny(
-    arena: Arena, src: np.ndarray, dst: np.ndarray, live: tuple[int, int], dst_entries: int,
-    checkpoint: bool,
-) -> list[np.ndarray] | None:
-    """`plan_segments`' tables for small requests, in plain ints; None if in doubt.
-
-    Takes up to `_TINY` pairs whatever the ranges, and up to `_SMALL` where
-    each entry ships one range (the common case: whole entries). Accepts only
-    what the vectorised path accepts and returns the same tables (same
-    merging, same source order, stable among repeated sources). Any index it
-    does not like sends the request down that path, which refuses it with the
-    position and value — so this never words a refusal itself.
-    """
-    if isinstance(arena, SplitEntryMajorArena):
-        planes = arena.arenas
-    elif isinstance(arena, EntryMajorArena):
-        planes = [arena]
-    else:
-        return None
-    spans = [[(o, n) for o, n in _ranges(plane, checkpoint) if n > 0] for plane in planes]
-    if len(src) > _TINY and any(len(r) > 1 for r in spans):
-        return None
-    dl = dst.tolist()
-    pairs = sorted(zip(src.tolist(), dl, strict=True), key=itemgetter(0))
-    first_live, entries = live
-    if pairs and (pairs[0][0] < first_live or pairs[-1][0] >= entries or min(dl) < 0
-                  or max(dl) >= dst_entries or len(set(dl)) != len(dl)):
-        return None
-    tables = []
-    for plane, ranges in zip(planes, spans, strict=True):
-        stride = plane.slot_stride
-        if len(ranges) == 1:
-            flat = _one_range(pairs, stride, *ranges[0])
-        else:
-            rows: list[list[int]] = []
-            for s, d in pairs:
-                for off, n in ranges:
-                    a, b = s * stride + off, d * stride + off
-                    if rows and rows[-1][0] + rows[-1][2] == a and rows[-1][1] + rows[-1][2] == b:
-                        rows[-1][2] += n
-                    else:
-                        rows.append([a, b, n])
-            flat = [v for row in rows for v in row]
-        # From a flat list: numpy converts one several times faster than nested rows.
-        tables.append(np.array(flat, dtype=np.int64).reshape(-1, 3) if flat else _empty())
-    return tables
-
-
-def _one_range(pairs: list[tuple[int, int]], stride: int, off: int, n: int) -> list[int]:
-    """`_plan_slots`' rows for source-ordered int pairs, flattened: one range per entry.
-
-    As there: only a whole slot (`n == stride`) can continue the previous row,
-    and only when both indices step by one.
-    """
-    if n != stride:
-        return [v for s, d in pairs for v in (s * stride + off, d * stride + off, n)]
-    flat: list[int] = []
-    ps = pd = -2  # no index is -1: the first pair never continues
-    for s, d in pairs:
-        if s == ps + 1 and d == pd + 1:
-            flat[-1] += n
-        else:
-            flat += (s * stride + off, d * stride + off, n)
-        ps, pd = s, d
-    return flat
-
-
 def _plan_layer_major(
     arena: LayerMajorArena, pair: np.ndarray, dst_entries: int, checkpoint: bool
 ) -> np.ndarray:
@@ -472,7 +396,3 @@ def plan_segments(
     if isinstance(arena, PerLayerArena):
         return arena.plan(pair, checkpoint, _plan_slots)
     return [_plan_strided(pair, arena.slot_stride, _ranges(arena, checkpoint))]
-
-
-def _ranges(arena: EntryMajorArena, checkpoint: bool) -> list[tuple[int, int]]:
-    return arena.checkpoint_ranges if checkpoint else [(0, arena.entry_bytes)]
