@@ -20,8 +20,9 @@ write — is ever produced from it.
 
 Small requests are the common case (a request names tens of pages, one state
 entry), and there numpy's constant cost per call, not the work, is the bill:
-so the number of numpy calls is what is kept small. Up to `_TINY` pairs plan
-in plain int arithmetic (`_plan_tiny`), which only ever accepts: anything it
+so the number of numpy calls is what is kept small. Up to `_TINY` pairs (up
+to `_SMALL` when each entry ships one range) plan in plain int arithmetic
+(`small_plan._plan_tiny`), which only ever accepts: anything it
 doubts goes down the vectorised path, which words the refusal — one place
 states each rule's message. Up to `_SMALL` indices, sorting (a few calls on a
 few elements) replaces the bitmaps that pay off only for big requests. A
@@ -33,7 +34,6 @@ the table in place, without building and merging per-row byte columns.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import itemgetter
 
 import numpy as np
 import torch
@@ -42,22 +42,17 @@ from .arenas import EntryMajorArena, LayerMajorArena, SplitEntryMajorArena
 from .errors import LayoutError
 from .fields import _require_int
 from .per_layer import PerLayerArena
+from .small_plan import _empty, _plan_tiny, _ranges
 
 _KINDS = ("EntryMajorArena, SplitEntryMajorArena, LayerMajorArena, PerLayerArena, "
           "PageMajorMHAArena, PageMajorMambaArena")
 
 Arena = EntryMajorArena | SplitEntryMajorArena | LayerMajorArena | PerLayerArena
 
-# At most this many pairs plan in plain ints (`_plan_tiny`): a state entry or
-# a decode step's page. Each numpy call costs ~0.5-2 us whatever its size.
-_TINY = 3
 # Up to this many indices, a sort of a few elements beats a bitmap over the
-# whole index space (which costs the space, not the request).
+# whole index space (which costs the space, not the request), and whole
+# entries plan in plain ints.
 _SMALL = 64
-
-
-def _empty() -> np.ndarray:
-    return np.empty((0, 3), dtype=np.int64)
 
 
 def _unknown(arena: object) -> LayoutError:
@@ -225,6 +220,11 @@ def check_indices(
     """
     arr = _as_indices(idx, what)
     entries, first_live = _index_space(arena)
+    if 0 < arr.size <= _SMALL:  # plain ints prove a good request; a bad one is worded below
+        vals = arr.tolist()
+        if (min(vals) >= first_live and max(vals) < entries
+                and (not unique or len(set(vals)) == len(vals))):
+            return arr.astype(np.int64, copy=True)
     _check_range(arr, first_live, entries, what)
     out = arr.astype(np.int64, copy=True)
     if unique:
@@ -310,45 +310,6 @@ def _plan_slots(pair: np.ndarray, stride: int, off: int, n: int) -> np.ndarray:
     return out
 
 
-def _plan_tiny(
-    arena: Arena, src: np.ndarray, dst: np.ndarray, live: tuple[int, int], dst_entries: int,
-    checkpoint: bool,
-) -> list[np.ndarray] | None:
-    """`plan_segments`' tables for at most `_TINY` pairs, in plain ints; None if in doubt.
-
-    Accepts only what the vectorised path accepts and returns the same tables
-    (same merging, same source order, stable among repeated sources). Any
-    index it does not like sends the request down that path, which refuses it
-    with the position and value — so this never words a refusal itself.
-    """
-    if isinstance(arena, SplitEntryMajorArena):
-        planes = arena.arenas
-    elif isinstance(arena, EntryMajorArena):
-        planes = [arena]
-    else:
-        return None
-    sl, dl = src.tolist(), dst.tolist()
-    first_live, entries = live
-    if sl and (min(sl) < first_live or max(sl) >= entries or min(dl) < 0
-               or max(dl) >= dst_entries or len(set(dl)) != len(dl)):
-        return None
-    pairs = sorted(zip(sl, dl, strict=True), key=itemgetter(0))
-    tables = []
-    for plane in planes:
-        stride, rows = plane.slot_stride, []
-        for s, d in pairs:
-            for off, n in _ranges(plane, checkpoint):
-                if n <= 0:
-                    continue
-                a, b = s * stride + off, d * stride + off
-                if rows and rows[-1][0] + rows[-1][2] == a and rows[-1][1] + rows[-1][2] == b:
-                    rows[-1][2] += n
-                else:
-                    rows.append([a, b, n])
-        tables.append(np.array(rows, dtype=np.int64) if rows else _empty())
-    return tables
-
-
 def _plan_layer_major(
     arena: LayerMajorArena, pair: np.ndarray, dst_entries: int, checkpoint: bool
 ) -> np.ndarray:
@@ -410,7 +371,7 @@ def plan_segments(
     src, dst = _index_pair(src_idx, dst_idx)
     entries, first_live = _index_space(arena)
     dst_entries = entries if dst_entries is None else _require_int(dst_entries, "dst_entries")
-    if src.size <= _TINY:
+    if src.size <= _SMALL:
         tables = _plan_tiny(arena, src, dst, (first_live, entries), dst_entries, checkpoint)
         if tables is not None:
             return tables
@@ -435,7 +396,3 @@ def plan_segments(
     if isinstance(arena, PerLayerArena):
         return arena.plan(pair, checkpoint, _plan_slots)
     return [_plan_strided(pair, arena.slot_stride, _ranges(arena, checkpoint))]
-
-
-def _ranges(arena: EntryMajorArena, checkpoint: bool) -> list[tuple[int, int]]:
-    return arena.checkpoint_ranges if checkpoint else [(0, arena.entry_bytes)]

@@ -184,3 +184,15 @@ def figure(path: Path, draw: Callable[[Any], None], title: str) -> None:
     plt.savefig(path, dpi=110)
     plt.close("all")
     print(f"# plot written to {path}", file=sys.stderr)
+
+
+def backends_arg(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The comma-separated `--backends` value as names, or the parser's usage error naming the choices."""
+    from pdxfer import transport  # here, not at the top: `bench layouts --help` need not load it
+
+    names = [b for b in text.split(",") if b]
+    unknown = sorted(set(names) - set(transport.available()))
+    if unknown or not names:
+        parser.error(f"backends {unknown} are not installed; choose from "
+                     f"{', '.join(transport.available())}")
+    return names

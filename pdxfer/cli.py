@@ -28,6 +28,8 @@ _COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
         "engine": ("pdxfer.bench_engine", "PD engine requests/s and per-request overhead"),
         "layouts": ("pdxfer.bench_layouts",
                     "one model state shipped entry-major, layer-major and via a staging copy"),
+        "request-cost": ("pdxfer.bench_cost",
+                         "CPU per send()/expect() call, split into plan/post/bookkeeping"),
         "tp": ("pdxfer.bench_tp", "heterogeneous TP: shard-major vs per-token/per-head slicing"),
         "chunked": ("pdxfer.bench_chunked", "chunked prefill: transfer hidden behind compute vs sending after"),
         "scaling": ("pdxfer.bench_scaling", "GB/s and us per request against request size, entry- vs layer-major"),

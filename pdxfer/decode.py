@@ -85,6 +85,7 @@ class DecodeEngine(Engine):
         with self._lock:
             req = self._table.get(rid)
             self._apply(req, req.life.on_abort(f"aborted by decode: {reason}", time.monotonic()))
+        self._progress.kick()
 
     # -- effects (lock held) ---------------------------------------------------------------
     def _apply(self, req: DecodeRequest, effects: list) -> bool:
@@ -99,8 +100,8 @@ class DecodeEngine(Engine):
                 if req.session is not None and req.session.link is not None:
                     if self._progress.on_thread:
                         req.session.link.send(eff.msg)
-                    else:
-                        self._progress.call(req.session.link.send, eff.msg)
+                    else:  # off the loop: the caller kicks it once unlocked
+                        self._progress.post(req.session.link.send, eff.msg)
             elif isinstance(eff, Fence):
                 fence = True
             elif isinstance(eff, Quarantine):
@@ -176,6 +177,7 @@ class DecodeEngine(Engine):
                 req.transfers += 1
             self._apply(req, req.life.on_landed(msg.chunk, msg.part, msg.parts, msg.last,
                                                 time.monotonic()))
+        self._progress.kick()
 
     # -- control messages (progress thread) -----------------------------------------
     def _on_message(self, link: Link, msg: Any) -> None:

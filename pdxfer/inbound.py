@@ -17,12 +17,11 @@ from typing import Any
 import numpy as np
 
 from pdxfer import layout
-from pdxfer.transport.errors import ProtocolError
 
 from .errors import RequestError
 from .lifecycle import DecodeLife
 from .pools import PoolSet
-from .protocol import CONTROL, MAX_FRAME, Expect, pack_indices
+from .protocol import MAX_FRAME, Expect, pack_indices
 from .requests import Request
 from .session import Link
 
@@ -77,9 +76,12 @@ def expect_message(pools: PoolSet, rid: str, xid: int, indices: Mapping[str, Any
             f"expect({rid!r}): {count} destination entries exceed the {MAX_INDICES} one "
             "request can name; use larger pages or split the request"
         )
-    msg = Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()})
-    try:  # framed once here, so it can never fail later on the link other requests share
-        CONTROL.pack(msg)
-    except (ProtocolError, ValueError, TypeError) as exc:
-        raise RequestError(f"expect({rid!r:.80}): its Expect cannot be framed: {exc}") from exc
-    return dst, msg
+    # Refused here if it could not be framed later, on the link other requests
+    # share. Bounded rather than framed twice (the progress thread frames it to
+    # send): 8 B per index, at most 4 B per character of the id and the pool
+    # names, a few bytes of msgpack per item; every field is a str, int or bytes.
+    size = 8 * count + 4 * (len(rid) + sum(len(p) for p in dst)) + 16 * len(dst) + 256
+    if size > MAX_FRAME:
+        raise RequestError(f"expect({rid!r:.80}): its Expect cannot be framed: up to {size} B "
+                           f"exceeds the {MAX_FRAME} B control frame limit; use shorter pool names")
+    return dst, Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()})

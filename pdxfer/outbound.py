@@ -179,7 +179,8 @@ def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], l
     req.next_chunk += 1
     total = len(parts)
     for i, (region, remote, table) in enumerate(parts):
-        nbytes = int(np.add.reduce(table[:, 2]))  # not .sum(): skips numpy's Python wrapper
+        proof = getattr(table, "proof", None)  # a CheckedTable knows its bytes
+        nbytes = proof[2] if proof is not None else int(np.add.reduce(table[:, 2]))
         notify = landed_payload(req.id, req.life.xid, number, i, total, last, nbytes, len(table))
         req.handles.append(conn.write(region, remote, table, notify,
                                       ready=ready.get(region) if ready else None))

@@ -42,6 +42,7 @@ from pdxfer import layout
 from pdxfer.transport import streams
 from pdxfer.transport.base import LocalRegion, TransportEngine
 from pdxfer.transport.errors import ProtocolError, RegistrationError
+from pdxfer.transport.segments import CheckedTable
 
 from .errors import LayoutMismatchError, RequestError
 
@@ -198,7 +199,7 @@ class Route:
     allocations need one transfer each.
     """
 
-    __slots__ = ("arena", "direct", "dst_entries", "groups", "pair", "single")
+    __slots__ = ("arena", "direct", "dst_entries", "groups", "pair", "per_entry", "proof", "single")
 
     def __init__(self, pools: PoolSet, name: str, remote_buffers: Any,
                  remote_regions: list[dict], remote_entries: int,
@@ -234,12 +235,40 @@ class Route:
         if len(local) == 1 and self.groups:
             g = self.groups[0]
             self.single = (g[0], g[1], g[3][0], g[4][0])
+        self.proof = self._proof()
+        # Bytes one entry ships (whole, checkpoint): a proven table's total without a sum.
+        self.per_entry = ((self.arena.entry_bytes, sum(n for _, n in self.arena.checkpoint_ranges))
+                          if self.proof is not None else (0, 0))
         # Per-layer tensors in allocations of their own: each buffer is a
         # region at shift 0 on both sides, so its table posts as planned.
         self.direct = None
         if len(self.groups) > 1 and all(len(g[2]) == 1 and not g[3][0] and not g[4][0]
                                         for g in self.groups):
             self.direct = [(g[0], g[1], g[2][0]) for g in self.groups]
+
+    def _proof(self) -> tuple[int, int] | None:
+        """`(local, remote region length)` when every planned table provably fits both; else None.
+
+        Whole-slot arenas, one buffer, one region pair: `plan_segments` admits
+        sources `< entries` and distinct destinations `< dst_entries`, and
+        each row stays inside its entry's slot, so a row lies within
+        `shift + entries * slot_stride` on its side and destinations never
+        overlap. That bound is checked here once, against our region and the
+        peer's descriptor; a peer whose entry count its region cannot hold
+        gets no proof, and its tables are refused by the transport's full
+        check as before.
+        """
+        a = self.arena
+        if (self.single is None or self.pair is not None or not isinstance(a, layout.EntryMajorArena)
+                or a.entry_bytes > a.slot_stride
+                or any(o < 0 or o + n > a.entry_bytes for o, n in a.checkpoint_ranges)):
+            return None
+        region, remote, ls, rs = self.single
+        theirs = remote.get("length") if isinstance(remote, dict) else None
+        if (type(theirs) is not int or ls + a.entries * a.slot_stride > region.length
+                or rs + self.dst_entries * a.slot_stride > theirs):
+            return None
+        return region.length, theirs
 
     def plan(self, src: np.ndarray, dst: np.ndarray,
              checkpoint: bool) -> list[tuple[LocalRegion, dict, np.ndarray]]:
@@ -258,6 +287,8 @@ class Route:
                 table[:, 0] += ls
             if rs:
                 table[:, 1] += rs
+            if self.proof is not None:
+                table = CheckedTable.proven(table, len(src) * self.per_entry[checkpoint], *self.proof)
             return [(region, remote, table)]
         if self.direct is not None:
             return [(region, remote, tables[b]) for region, remote, b in self.direct

@@ -46,6 +46,9 @@ class Progress:
         self.selector.register(self._wake_r, selectors.EVENT_READ, self._drain)
         self._commands: collections.deque[tuple[Callable[..., Any], tuple]] = collections.deque()
         self._stopping = False
+        # A wake-up byte is in flight and the loop has not yet begun draining
+        # the commands: a call queued meanwhile is run by that drain, unsent.
+        self._woken = False
         self._next_tick = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -57,7 +60,23 @@ class Progress:
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn(*args)` on the progress thread, soon, in call order."""
         self._commands.append((fn, args))
-        self.wake()
+        if not self._woken:  # a burst of calls costs one system call, not one each
+            self._woken = True
+            self.wake()
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue `fn(*args)` like `call`, but leave waking the loop to `kick()`.
+
+        For a caller holding a lock the loop's handlers take: the wake-up is a
+        system call, which lets the threads it wakes run into that lock.
+        """
+        self._commands.append((fn, args))
+
+    def kick(self) -> None:
+        """Wake the loop for what `post` queued (once no lock is held)."""
+        if self._commands and not self._woken:
+            self._woken = True
+            self.wake()
 
     def wake(self) -> None:
         try:
@@ -86,6 +105,7 @@ class Progress:
                 events = []
             for key, mask in events:
                 self._guard(key.data, mask)
+            self._woken = False  # before draining: a call from now on wakes us again
             while self._commands:
                 fn, args = self._commands.popleft()
                 self._guard(fn, *args)

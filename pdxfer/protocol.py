@@ -208,6 +208,12 @@ def landed_payload(request: str, xid: int, chunk: int, part: int, parts: int, la
     byte-for-byte, so the envelope is still decided by `transport.wire` alone.
     """
     # msgpack.packb, not a shared Packer: a Packer's buffer is not thread-safe.
-    return msgpack.packb({"p": CONTROL.name, "v": CONTROL.version, "t": "landed", "b": {
+    return _LANDED_HEAD + msgpack.packb({
         "request": request, "xid": xid, "chunk": chunk, "part": part, "parts": parts,
-        "last": last, "nbytes": nbytes, "segments": segments}}, use_bin_type=True)
+        "last": last, "nbytes": nbytes, "segments": segments}, use_bin_type=True)
+
+
+# The envelope up to the body, identical for every Landed: a 4-entry map, then
+# p, v, t and the key "b" — packed once (msgpack writes a map's pairs in order).
+_LANDED_HEAD = msgpack.packb({"p": CONTROL.name, "v": CONTROL.version, "t": "landed", "b": None},
+                             use_bin_type=True)[:-1]

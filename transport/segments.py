@@ -19,12 +19,19 @@ of calls (plain ints up to `_TINY` rows) and never words a refusal; anything it
 doubts goes through the checks above, which find the first bad row and say
 so. Each refusal's message therefore lives in one place.
 
+A table a planner built against lengths it checked once carries that proof
+(`CheckedTable`): `check_table` then compares the lengths the proof was made
+for with the regions the write names — equal, the table passes without a
+row being read again; different, or any other array, the full checks run.
+
 Also here: `split_rows`, which cuts rows into pieces no larger than a cap,
 shared by tcp's striping and its bounce-buffer batching.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from itertools import accumulate
 from operator import itemgetter
 from typing import Any
 
@@ -45,6 +52,28 @@ _TINY = 32
 # are known to be at most the length (lengths are real allocations).
 _SAFE_LENGTH = 1 << 62
 _BY_DST = itemgetter(1)
+
+class CheckedTable(np.ndarray):
+    """A read-only segment table whose rows a planner proved in bounds and disjoint.
+
+    Exists so a table is checked once, where the proof is cheap, instead of
+    once more per write: an engine that planned it from entry indices it
+    range-checked, against a peer descriptor whose bounds it checked at the
+    handshake, knows every row lies inside both regions and that no two
+    destinations overlap. Only `proven` makes one, and only such planners
+    call it; a plain array is always checked in full. Views and slices of it
+    carry no proof (numpy makes them without `proof`), and it is read-only,
+    so the rows cannot change after the proof was made.
+    """
+
+    @classmethod
+    def proven(cls, table: np.ndarray, nbytes: int, src_length: int, dst_length: int) -> CheckedTable:
+        """`table` (C-contiguous int64 `[n, 3]`) with the lengths its rows were proved within."""
+        out = table.view(cls)
+        out.flags.writeable = False
+        out.proof = (src_length, dst_length, nbytes)
+        return out
+
 
 def as_table(segments: Any) -> np.ndarray:
     """The caller's table as a C-contiguous int64 `[n, 3]` array, or `BoundsError`.
@@ -69,6 +98,8 @@ def as_table(segments: Any) -> np.ndarray:
             f"segments must have shape [n, 3] (src_offset, dst_offset, nbytes), "
             f"got {list(segments.shape)}"
         )
+    if type(segments) is CheckedTable and getattr(segments, "proof", None) is not None:
+        return segments  # made C-contiguous int64 [n, 3] by its planner
     return np.ascontiguousarray(segments)
 
 
@@ -84,8 +115,13 @@ def check_table(table: np.ndarray, src_length: int, dst_length: int) -> int:
     offsets, non-positive lengths, source ends past `src_length`, destination
     ends past `dst_length`, and destination ranges overlapping one another
     (two rows writing the same byte make the result depend on timing).
-    Sources may overlap: reading a byte twice is harmless.
+    Sources may overlap: reading a byte twice is harmless. A `CheckedTable`
+    proved against exactly these two lengths skips the checks.
     """
+    if type(table) is CheckedTable:
+        proof = getattr(table, "proof", None)
+        if proof is not None and proof[0] == src_length and proof[1] == dst_length:
+            return proof[2]
     if table.shape[0] == 0:
         return 0
     total = _accept(table, src_length, dst_length)
@@ -254,6 +290,16 @@ def balanced_parts(table: np.ndarray, parts: int) -> list[np.ndarray]:
     row whose cumulative bytes reach its share. Never returns an empty run.
     Shared by tcp striping (one run per stream) and loopback's copy threads.
     """
+    if 0 < table.shape[0] <= _TINY:  # plain ints: a dozen numpy calls cost more than the rows
+        sizes = table[:, -1].tolist()
+        total = sum(sizes)
+        if parts < 2 or total == 0:
+            return [table]
+        if max(sizes) <= -(-total // parts):  # no row to split: cut between rows
+            cum = list(accumulate(sizes))
+            bounds = [0, *(bisect_left(cum, total * k // parts) + 1 for k in range(1, parts)),
+                      table.shape[0]]
+            return [table[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
     total = int(table[:, -1].sum()) if table.shape[0] else 0
     if parts < 2 or total == 0:
         return [table]
