@@ -42,13 +42,11 @@ Deliberately absent: `read` (nothing needs it yet).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
 import socket
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -61,56 +59,27 @@ from .errors import (
     ClosedError,
     PeerLostError,
     RegistrationError,
-    TransferTimeout,
     TransportError,
 )
 from .listener import DEFAULT_MAX_PENDING, Listener, Slot
 from .nixl_conn import NixlConnection
 from .nixl_peer import InboundPeer
-from .nixl_progress import Progress, lost
-from .nixl_wire import Welcome, interface_of, make_agent, translate
+from .nixl_progress import Progress
+from .nixl_requests import Requests
+from .nixl_wire import (  # the tls policy lives with make_agent, which applies it
+    FENCEABLE_TLS,
+    FULL_TLS,
+    Welcome,
+    check_tls,
+    cuda_tls,
+    interface_of,
+    make_agent,
+    translate,
+)
 from .peering import SocketPeers
 from .regions import Region, RegionTable
 
 log = logging.getLogger(__name__)
-
-# UCX transport lists under which only our own progress calls write into our
-# memory, so drop_peer can fence (see the module docstring).
-FENCEABLE_TLS = frozenset({"tcp"})
-# `tls` for UCX's full list (its own default, "all"): cma/sysv/posix shared
-# memory, cuda_copy and cuda_ipc for VRAM, rc/dc/ud where a NIC exists.
-FULL_TLS = "all"
-
-
-def cuda_tls(tls: str) -> bool:
-    """Whether UCX transport `tls` can move VRAM: the full list, or a cuda/RDMA transport."""
-    return tls == FULL_TLS or tls.startswith("cuda") or tls in ("gdr_copy", "rc", "dc")
-
-
-def check_tls(tls: str) -> str:
-    """`tls` if NIXL can pass it to UCX whole; `CapabilityError` for a list.
-
-    NIXL's UCX `engine_config` is itself a comma-separated `KEY=VALUE` list,
-    so `TLS=tcp,cma` reaches UCX as `TLS=tcp`: the rest is dropped without a
-    word (measured: `tls="tcp,bogus"` starts). Refuse what would be cut.
-    Deletion condition: a NIXL release that escapes or quotes values there.
-    """
-    if not isinstance(tls, str) or not tls or "," in tls:
-        raise CapabilityError(
-            f"nixl tls={tls!r}: NIXL cuts a UCX transport list at its first comma; name one "
-            f"transport ('tcp': fenceable) or {FULL_TLS!r} for UCX's full list"
-        )
-    return tls
-
-
-class _Send:
-    """A posted NIXL request, polled until DONE/ERR and then released."""
-
-    __slots__ = ("conn", "tries", "xfer")
-
-    def __init__(self, conn: NixlConnection, xfer: Any) -> None:
-        self.conn, self.xfer, self.tries = conn, xfer, 0
-
 
 class NixlEngine(SocketPeers, TransportEngine):
     """A nixl transport engine: one initiating agent, a control listener, links both ways."""
@@ -161,9 +130,7 @@ class NixlEngine(SocketPeers, TransportEngine):
         self.device = interface_of(host)
         self._agent = make_agent(self.engine_id, self.tls, self.device)
         self._regs: dict[int, Any] = {}
-        self._sends: list[_Send] = []
-        # writes handed over by callers, posted by the progress thread (see _post)
-        self._posts: collections.deque = collections.deque()
+        self.requests = Requests(self)  # queued by callers, posted and polled by Progress
         self._pending: set[InboundPeer] = set()  # accepted, handshake not done: close() fences them
         self._progress = Progress(self)
         try:
@@ -296,113 +263,23 @@ class NixlEngine(SocketPeers, TransportEngine):
     def _post(self, conn: NixlConnection, seq: int, local: np.ndarray | None,
               remote: np.ndarray | None, note: bytes, mems: tuple[str, str] = ("DRAM", "DRAM"),
               ready: Any = None) -> None:
-        """Queue one write (or, with no descriptors, a notify alone) for the progress thread.
+        """Queue one write (no descriptors: a notify alone) for the progress thread to post.
 
-        The caller never takes the agent lock: NIXL calls on the one initiating
-        agent are serialised, and one of them (loading a new peer's metadata,
-        a first message to it, forgetting a dead one) can run for tens of ms
-        of UCX work under CPU load. A `send()` to any peer must not wait that
-        out, so posts are handed over in order and made on the progress thread,
-        which already holds the agent for every poll. A post NIXL refuses fails
-        that write's handle (the link too when NIXL says it is broken).
-        `ready`: the producer's CUDA event (`streams.capture`); UCX reads the
-        source itself, so the post waits in the queue until the event is
-        reached — no thread blocks on it — or fails past `connect_timeout`.
+        The caller never takes the agent lock (why, and how a CUDA source's
+        `ready` event is awaited without blocking: `nixl_requests`). A post
+        NIXL refuses fails that write's handle, and the link when NIXL says
+        it is broken (`NixlConnection.refused`).
         """
         self._check_agent()
-        deadline = time.monotonic() + self.connect_timeout if ready is not None else 0.0
-        self._posts.append((conn, seq, local, remote, note, mems, ready, deadline))
+        self.requests.queue(conn, seq, local, remote, note, mems, ready)
         self._progress.kick()
-
-    def _make_posts(self) -> tuple[list[tuple[NixlConnection, int, TransportError]], bool]:
-        """Post every queued write in order, under one hold of the agent lock (progress thread).
-
-        Returns `(refused posts as (link, seq, error), whether any was taken)`.
-        """
-        posts, refused = [], []
-        while self._posts:
-            item = self._posts[0]
-            ready, deadline = item[6], item[7]
-            if ready is not None and not ready.query():
-                if time.monotonic() <= deadline:
-                    break  # later posts wait too: they keep their order
-                refused.append((item[0], item[1], TransferTimeout(
-                    f"a write to {item[0].peer}: the producer's CUDA event was not reached within "
-                    f"{self.connect_timeout} s; record `ready` after the work that writes the source")))
-            else:
-                posts.append(item)
-            self._posts.popleft()
-        if not posts:
-            return refused, bool(refused) or bool(self._posts)
-        with self._agent_lock:
-            if self._agent is None:
-                return refused, True  # closing: close() fails every link's handles
-            for conn, seq, local, remote, note, mems, _, _ in posts:
-                if conn.dead:
-                    continue  # its handles already failed with the link's error
-                try:
-                    if local is None:
-                        self._agent.send_notif(conn.agent, note)
-                        continue
-                    ls = self._agent.get_xfer_descs(local, mems[0])
-                    rs = self._agent.get_xfer_descs(remote, mems[1])
-                    xfer = self._agent.initialize_xfer("WRITE", ls, rs, conn.agent, note)
-                    state = self._agent.transfer(xfer)
-                except Exception as exc:
-                    refused.append((conn, seq, translate(exc, f"posting a write to {conn.peer}")))
-                    continue
-                self._sends.append(_Send(conn, xfer))
-                if state == "ERR":
-                    refused.append((conn, seq, PeerLostError(
-                        f"NIXL refused to post a write to {conn.peer}: the link is broken")))
-        return refused, True
-
-    def _poll_sends(self) -> tuple[list[tuple[NixlConnection, TransportError]], bool]:
-        """One look at every posted request: `(links to sever, whether any is still moving)`."""
-        failed = []
-        with self._agent_lock:
-            if self._agent is None:
-                return [], False
-            try:  # progresses the worker when no request is posted: a notify-only send
-                self._agent.get_new_notifs()  # moves only then (nobody writes to this agent)
-            except Exception as exc:
-                log.debug("nixl: progress of the initiating agent: %s", exc)
-            keep = []
-            for send in self._sends:
-                try:
-                    state = self._agent.check_xfer_state(send.xfer)
-                except Exception as exc:
-                    state = translate(exc, f"a write to {send.conn.peer}")
-                if state == "PROC" and not send.conn.dead:
-                    keep.append(send)
-                    continue
-                if state != "DONE" and not send.conn.dead:
-                    failed.append((send.conn, lost(f"a write to {send.conn.peer}", state)))
-                try:
-                    send.xfer.release()
-                except Exception:  # still active and not cancellable yet: retry next round
-                    send.tries += 1
-                    if send.tries < 1000:
-                        keep.append(send)
-            self._sends = keep
-            moving = any(not s.conn.dead for s in keep)
-        return failed, moving
 
     def _disconnect(self, conn: NixlConnection) -> None:
         """A link is dead: cancel its requests and forget the peer's agent."""
         with self._agent_lock:
             if self._agent is None:
                 return
-            keep = []
-            for send in self._sends:
-                if send.conn is conn:
-                    try:
-                        send.xfer.release()
-                        continue
-                    except Exception:
-                        pass
-                keep.append(send)
-            self._sends = keep
+            self.requests.drop(conn)
             try:
                 self._agent.remove_remote_agent(conn.agent)
             except Exception as exc:
@@ -437,13 +314,7 @@ class NixlEngine(SocketPeers, TransportEngine):
             peer.join(2.0)
         with self._agent_lock:
             agent, self._agent = self._agent, None
-            for send in self._sends:
-                try:
-                    send.xfer.release()
-                except Exception:
-                    log.debug("nixl: a request was still active at close")
-            self._sends = []
-            self._posts.clear()
+            self.requests.release_all()
             for reg in self._regs.values():
                 try:
                     agent.deregister_memory(reg)

@@ -12,8 +12,8 @@ and never spins: every round ends in an `Event.wait`. Waiting callers never
 poll either: they wait on their `Handle`'s event, with a timeout.
 
 A round: (0) the writes callers queued are posted, in order (callers never
-take the agent lock: `NixlEngine._post`); (1) every posted transfer's state under the sending agent's lock —
-DONE releases the NIXL request, an error fails the transfer and severs its
+take the agent lock: `nixl_requests`); (1) every posted transfer's state
+under the sending agent's lock — DONE releases the NIXL request, an error fails the transfer and severs its
 link; (2) every live inbound link's notifications, each delivered to the
 notify handler under that link's re-entrant `delivering` lock (so its fence
 waits a running notify out and no notify starts after the fence; the
@@ -80,10 +80,10 @@ class Progress:
 
     def _round(self) -> tuple[bool, bool]:
         engine = self._engine
-        refused, worked = engine._make_posts()
+        refused, worked = engine.requests.post()
         for conn, seq, error in refused:
             conn.refused(seq, error)
-        failed, sending = engine._poll_sends()
+        failed, sending = engine.requests.poll()
         for conn, error in failed:
             worked = True
             conn.sever(error)

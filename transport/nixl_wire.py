@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .control_link import Acks, Bye, Gone, Refresh
-from .errors import PeerLostError, RegistrationError, TransportError
+from .errors import CapabilityError, PeerLostError, RegistrationError, TransportError
 from .wire import LENGTH, Protocol
 
 # Importing nixl_cu12 configures its "nixl" logger to print INFO lines on
@@ -189,6 +189,35 @@ def _addresses(name: str) -> set[Any]:
 def mem_type(gpu: int) -> str:
     """NIXL's memory type for a region on CUDA device `gpu` (-1: host memory)."""
     return "DRAM" if gpu < 0 else "VRAM"
+
+
+# UCX transport lists under which only our own progress calls write into our
+# memory, so drop_peer can fence (see the module docstring).
+FENCEABLE_TLS = frozenset({"tcp"})
+# `tls` for UCX's full list (its own default, "all"): cma/sysv/posix shared
+# memory, cuda_copy and cuda_ipc for VRAM, rc/dc/ud where a NIC exists.
+FULL_TLS = "all"
+
+
+def cuda_tls(tls: str) -> bool:
+    """Whether UCX transport `tls` can move VRAM: the full list, or a cuda/RDMA transport."""
+    return tls == FULL_TLS or tls.startswith("cuda") or tls in ("gdr_copy", "rc", "dc")
+
+
+def check_tls(tls: str) -> str:
+    """`tls` if NIXL can pass it to UCX whole; `CapabilityError` for a list.
+
+    NIXL's UCX `engine_config` is itself a comma-separated `KEY=VALUE` list,
+    so `TLS=tcp,cma` reaches UCX as `TLS=tcp`: the rest is dropped without a
+    word (measured: `tls="tcp,bogus"` starts). Refuse what would be cut.
+    Deletion condition: a NIXL release that escapes or quotes values there.
+    """
+    if not isinstance(tls, str) or not tls or "," in tls:
+        raise CapabilityError(
+            f"nixl tls={tls!r}: NIXL cuts a UCX transport list at its first comma; name one "
+            f"transport ('tcp': fenceable) or {FULL_TLS!r} for UCX's full list"
+        )
+    return tls
 
 
 def make_agent(name: str, tls: str, device: str | None = None) -> nixl_agent:
