@@ -20,6 +20,7 @@ side's half (acks, and fencing a link whose sender is gone). Both `NixlConnectio
 
 from __future__ import annotations
 
+import abc
 import logging
 import socket
 import threading
@@ -78,7 +79,7 @@ class Bye:
     TYPE: ClassVar[str] = "bye"
 
 
-class ControlLink:
+class ControlLink(abc.ABC):
     """Mixin for an outbound link: region lookup/refresh, the control reader, sever and close.
 
     The class sets `WIRE`; the instance sets `_engine` (with `name`,
@@ -89,14 +90,17 @@ class ControlLink:
 
     WIRE: ModuleType
 
+    @abc.abstractmethod
     def _on_acks(self, msg: Any) -> None:
-        raise NotImplementedError
+        """Complete the transfers an `Acks` frame names."""
 
+    @abc.abstractmethod
     def _on_regions(self, msg: Any) -> None:
-        raise NotImplementedError
+        """Install the peer's fresh region table (answer to our `Refresh`)."""
 
+    @abc.abstractmethod
     def _release(self) -> None:
-        raise NotImplementedError
+        """Free the data path's resources as the link dies."""
 
     def _drop_pending(self, pending: list) -> list:
         """Under the lock, as the link dies: the handles among `_pending`'s values (a backend

@@ -14,6 +14,7 @@ The mixin reads the engine's `_lock`, `_closed`, `_outbound`, `_handler`,
 
 from __future__ import annotations
 
+import abc
 import logging
 from typing import Any
 
@@ -23,12 +24,12 @@ from .errors import ClosedError, RegistrationError
 log = logging.getLogger(__name__)
 
 
-class SocketPeers:
+class SocketPeers(abc.ABC):
     """Mixin for `TransportEngine`s whose peers are addressed by host and port."""
 
+    @abc.abstractmethod
     def _new_connection(self, host: str, port: int, peer: str) -> Any:
         """Open this backend's connection to engine `peer` at `host:port` (may block)."""
-        raise NotImplementedError  # abstract: each socket backend opens its own kind
 
     def address(self) -> dict[str, Any]:
         return {"backend": self.name, "engine": self.engine_id, "host": self._host, "port": self._port}

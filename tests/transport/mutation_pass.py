@@ -17,7 +17,7 @@ import tempfile
 
 T = "tests/transport/"
 FENCE = [T + "test_fence.py"]
-CORE = FENCE + [T + f for f in ("test_conformance.py", "test_tcp_wire.py", "test_nixl.py", "test_tcp.py")]
+CORE = FENCE + [T + f for f in ("test_conformance.py", "test_conformance_faults.py", "test_tcp_wire.py", "test_nixl.py", "test_tcp.py")]
 
 # name, file, old text, new text, tests
 MUTATIONS = [

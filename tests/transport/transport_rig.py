@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from segment_tables import CANARY
+from segment_tables import CANARY, assert_landed
 
 from pdxfer import transport
 
@@ -108,3 +108,22 @@ class Gate:
 
     def release(self) -> None:
         self.released.set()
+
+
+# Helpers the conformance files share.
+def good_table() -> np.ndarray:
+    """One good row: it would land if a backend moved rows before checking them all."""
+    # A row that would land if a backend moved rows before checking them all.
+    return np.array([[0, 1000, 5000]], np.int64)
+
+
+def with_row(row: list[int]) -> np.ndarray:
+    return np.concatenate([good_table(), np.array([row], np.int64)])
+
+
+def assert_untouched_then_usable(rig: Rig) -> None:
+    good = np.array([[0, 2 << 20, 4096]], np.int64)
+    rig.conn.write(rig.src_region, rig.remote, good, notify=b"good").wait(WAIT)
+    assert_landed(rig.src, rig.dst, good)  # ... and every byte outside it, incl. the bad rows', is canary
+    rig.wait_note(b"good")
+    assert b"bad" not in [p for _, p in rig.notes]
