@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdxfer import transport  # noqa: E402
-from pdxfer.bench_peer import LocalPeer  # noqa: E402
-from pdxfer.bench_rawnixl import RawNixlPair  # noqa: E402
+from pdxfer.bench.peer import LocalPeer  # noqa: E402
+from pdxfer.bench.rawnixl import RawNixlPair  # noqa: E402
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdxfer import cli
-from pdxfer.bench_report import Progress
+from pdxfer.bench.report import Progress
 
 TWO = "loopback,tcp"
 
@@ -168,3 +168,47 @@ def test_bench_engine_two_processes_same_columns(tmp_path: Path, capsys: pytest.
     segs = {r["kv layout"]: r["segments"] for r in data["rows"]}
     assert segs == {"entry-major": 17, "layer-major": 257, "per-layer tensors": 257}
     assert all(r["engine_rps"] > 0 and r["bare_rps"] > 0 for r in data["rows"])
+
+
+def test_benches_time_pieces_of_their_own_engine_only(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """While a bench times send(), nothing shared (a module function, a class method) is replaced.
+
+    Checked at every send() of `bench engine` and `bench request-cost`: the
+    functions the split columns time are the originals, and the data
+    connection's class has its own `write` (a timer defined inside a
+    function would show `<locals>` in its qualified name) — so every other
+    engine in the process runs untimed, whatever the bench does.
+    """
+    import inspect
+
+    from pdxfer import decode, inbound, layout, pools, prefill
+
+    def shared() -> dict[str, object]:
+        return {"layout.plan_segments": layout.plan_segments, "Route.plan": pools.Route.plan,
+                "decode.expect_message": decode.expect_message,
+                "inbound.expect_message": inbound.expect_message}
+
+    before = shared()
+    replaced: set[str] = set()
+    sends = 0
+    send = prefill.PrefillEngine.send
+
+    def checked_send(self, *args, **kwargs):
+        nonlocal sends
+        sends += 1
+        replaced.update(k for k, v in shared().items() if v is not before[k])
+        for session in self._sessions.values():
+            conn = getattr(session.conn, "_target", session.conn)  # under a bench's own probe
+            write = inspect.getattr_static(type(conn), "write", None)
+            if write is not None and "<locals>" in write.__qualname__:
+                replaced.add(f"{type(conn).__name__}.write")
+        return send(self, *args, **kwargs)
+
+    monkeypatch.setattr(prefill.PrefillEngine, "send", checked_send)
+    assert cli.main(["bench", "engine", "--requests", "4", "--batch", "2", "--backends", TWO]) == 0
+    assert cli.main(["bench", "request-cost", "--requests", "4", "--batch", "2", "--rounds", "1",
+                     "--latency", "1", "--backends", TWO]) == 0
+    capsys.readouterr()
+    assert sends > 20
+    assert not replaced, f"replaced process-wide while a bench ran: {sorted(replaced)}"

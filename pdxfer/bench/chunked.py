@@ -20,7 +20,7 @@ pass), in three modes taking turns:
 decode's Success (monotonic clock, system-wide, so it crosses processes);
 `hidden` = 1 - exposed(chunked) / exposed(after). Every request's landed
 entries are compared by crc32 with the source's. With `--processes 2` the
-decode engine runs in a child process (`bench_decode`), as deployed.
+decode engine runs in a child process (`bench/decode_peer.py`), as deployed.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import time
 import numpy as np
 import torch
 
-from . import bench_report as br
-from .bench_decode import LocalDecode, entries_crc
-from .bench_engine import _pools
-from .bench_peer import CHILD_NOTE, ChildPeer, crosses_processes
-from .cliargs import bounded_int, positive_float
-from .config import EngineConfig, KVPoll
-from .errors import UnknownRequestError
-from .prefill import PrefillEngine
+from ..cliargs import bounded_int, positive_float
+from ..config import EngineConfig, KVPoll
+from ..errors import UnknownRequestError
+from ..prefill import PrefillEngine
+from . import report as br
+from .decode_peer import LocalDecode, entries_crc
+from .engine import _pools
+from .peer import CHILD_NOTE, ChildPeer, crosses_processes
 
 MODES = ("chunked", "after", "transfer only")
 _A = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
@@ -118,7 +118,7 @@ def run(backends: list[str], pages: int, chunks: int, compute_ms: float, reps: i
             arena.buf.copy_(torch.from_numpy(rng.integers(0, 256, arena.buf.numel(), dtype=np.uint8)))
         prefill = PrefillEngine(pools, EngineConfig(transport=backend, timeout=30.0))
         cross = processes == 2 and crosses_processes(backend)
-        decode = ChildPeer(0, module="pdxfer.bench_decode") if cross else LocalDecode()
+        decode = ChildPeer(0, module="pdxfer.bench.decode_peer") if cross else LocalDecode()
         try:
             decode.call("open", backend=backend, kind="entry-major", kv_entries=kv_n, state_entries=st_n)
             exposed: dict[str, list[float]] = {m: [] for m in MODES}

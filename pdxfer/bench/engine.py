@@ -5,12 +5,13 @@ For requests of 16 KV pages + 1 state entry, per backend and per KV layout
 
 - `send us`: CPU the caller's thread spends in `PrefillEngine.send()` once
   the decode's Expect is there, split into what it spends inside
-  `layout.plan_segments` (`plan`), inside the transport's `Connection.write`
-  (`write`), and the rest — validation, destination cursors, shifting tables
-  into registered regions, notify payloads, bookkeeping (`engine`). The
-  split is measured inside the same calls (the two functions are wrapped
-  with timers for the run), so all three share the same cache and core
-  contention;
+  the pool's route (`Route.plan`: `layout` planning and the shift into the
+  registered region, `plan`), inside the transport's `Connection.write`
+  (`write`), and the rest — validation, destination cursors, notify
+  payloads, bookkeeping (`engine`). The split is measured inside the same
+  calls (that engine's routes and connection are wrapped with timers,
+  `probes.probe_prefill`; nothing is changed for the rest of the process),
+  so all three share the same cache and core contention;
 - `bare write us`: the same tables posted on a bare transport connection,
   no engine, one `write` per pool;
 - `req/s`: end-to-end throughput with the engine (send through decode
@@ -39,12 +40,13 @@ import torch
 
 from pdxfer import layout, transport
 
-from . import bench_report as br
-from .bench_decode import LocalDecode
-from .bench_peer import ChildPeer, crosses_processes
-from .cliargs import bounded_int
-from .config import EngineConfig, KVPoll
-from .prefill import PrefillEngine
+from ..cliargs import bounded_int
+from ..config import EngineConfig, KVPoll
+from ..prefill import PrefillEngine
+from . import report as br
+from .decode_peer import LocalDecode
+from .peer import ChildPeer, crosses_processes
+from .probes import Split, probe_prefill
 
 PAGES = 16
 # A small model's page: 8 layers x 16 tokens x 2 heads x 64 dims fp16, K and V (64 KiB).
@@ -88,26 +90,10 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> int:
     return 1 + int(np.count_nonzero(~((s[1:] == s[:-1] + 1) & (d[1:] == d[:-1] + 1))))
 
 
-class _Timed:
-    """Accumulates the calling thread's CPU time spent inside a wrapped callable."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-
-    def wrap(self, fn: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.total += time.thread_time() - t
-        return timed
-
-
 def _decode_side(backend: str, processes: int) -> Any:
     """The decode engine's driver: in a child process when asked and the backend can cross one."""
     if processes == 2 and crosses_processes(backend):
-        return ChildPeer(0, module="pdxfer.bench_decode")
+        return ChildPeer(0, module="pdxfer.bench.decode_peer")
     return LocalDecode()
 
 
@@ -117,10 +103,9 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, processes: in
     prefill = PrefillEngine(_pools(kind, kv_n, st_n), cfg)
     decode = _decode_side(backend, processes)
     rows, busy, segs, transfers = [], 0.0, [], set()
-    plan, write = _Timed(), _Timed()
-    conn_cls = None
-    orig_plan = layout.plan_segments
-    layout.plan_segments = plan.wrap(orig_plan)  # what pools.Route.plan calls
+    # CPU time of the calling thread inside the engine's own routes and connection
+    plan, write = Split(time.thread_time), Split(time.thread_time)
+    probed = False
     try:
         decode.call("open", backend=backend, kind=kind, kv_entries=kv_n, state_entries=st_n)
         for start in range(0, len(reqs), batch):
@@ -136,10 +121,9 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, processes: in
                     except Exception:
                         pass
                     time.sleep(0.0002)
-            if conn_cls is None:
-                conn_cls = type(next(iter(prefill._sessions.values())).conn)
-                orig_write = conn_cls.write
-                conn_cls.write = write.wrap(orig_write)
+            if not probed:  # every Expect is there, so the data connection is open
+                probe_prefill(prefill, plan, write)
+                probed = True
             t0 = time.perf_counter()
             for i, (src, _) in chunk:
                 plan.total = write.total = 0.0
@@ -157,9 +141,6 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, processes: in
             for rid in rids:
                 prefill.release(rid)
     finally:
-        layout.plan_segments = orig_plan
-        if conn_cls is not None:
-            conn_cls.write = orig_write
         decode.close()
         prefill.close()
 
@@ -220,7 +201,7 @@ COLUMNS = {
     "segments": "median segments per request (checked equal to the runs the request names)",
     "transfers": "writes posted per request (one per registered allocation a pool spans)",
     "send us": "median CPU us of the caller's thread in PrefillEngine.send()",
-    "plan us": "... of which inside layout.plan_segments",
+    "plan us": "... of which inside the pools' Route.plan (layout planning + region shift)",
     "write us": "... of which inside the transport's Connection.write",
     "engine us": "... the rest: validation, cursors, shifts, notify payloads, bookkeeping",
     "bare write us": "median CPU us posting the same tables on a bare transport connection",

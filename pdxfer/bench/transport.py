@@ -18,12 +18,12 @@ shows) and with destination slots shuffled. Per case, in the same run:
 - any other installed backend (`nixl`): one `write` between two engines,
   beside memcpy and tcp;
 - with nixl installed, `raw NIXL (tcp)` and `raw NIXL (UCX default)`: NIXL
-  agents used directly (`bench_rawnixl`: prepared descriptor lists, one
+  agents used directly (`bench/rawnixl.py`: prepared descriptor lists, one
   reposted request), on our nixl backend's UCX transports and on UCX's own
   choice — the baselines `nixl` and `tcp` are held to.
 
 `--processes 2` puts every receiving endpoint that can live in another
-process (`bench_peer.ChildPeer`) in a child process, as deployed: sender and
+process (`peer.ChildPeer`) in a child process, as deployed: sender and
 receiver then share no GIL. memcpy and loopback stay in this process.
 
 Every figure is the median of `--reps` timed runs after one warm-up; the
@@ -48,10 +48,10 @@ import torch
 
 from pdxfer import transport
 
-from . import bench_report as br
-from .bench_peer import CHILD_NOTE, ChildPeer, LocalPeer
-from .bench_rawnixl import RawNixlPair
-from .cliargs import bounded_int
+from ..cliargs import bounded_int
+from . import report as br
+from .peer import CHILD_NOTE, ChildPeer, LocalPeer
+from .rawnixl import RawNixlPair
 
 Peer = LocalPeer | ChildPeer
 Run = tuple[Callable[[], None], int, Peer]

@@ -12,7 +12,7 @@ checked by crc32 after each layout's warm-up (the timed requests rewrite
 the same bytes).
 
 With `--processes 2` the receiving engine lives in a child process
-(`bench_peer`), as deployed; the prefill side plans against a local copy of
+(`bench/peer.py`), as deployed; the prefill side plans against a local copy of
 the destination arena's geometry, which is all planning reads.
 """
 
@@ -29,9 +29,9 @@ import torch
 
 from pdxfer import layout, transport
 
-from . import bench_report as br
-from .bench_peer import CHILD_NOTE, ChildPeer, LocalPeer, crosses_processes
-from .cliargs import bounded_int
+from ..cliargs import bounded_int
+from . import report as br
+from .peer import CHILD_NOTE, ChildPeer, LocalPeer, crosses_processes
 
 KiB, MiB = 1 << 10, 1 << 20
 LAYERS = 8

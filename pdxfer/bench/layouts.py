@@ -43,9 +43,9 @@ import torch
 from pdxfer import transport
 from pdxfer.layout import EntryField, EntryMajorArena, LayerMajorArena, plan_segments
 
-from . import bench_report as br
-from . import layout_example as ex
-from .cliargs import bounded_int
+from .. import layout_example as ex
+from ..cliargs import bounded_int
+from . import report as br
 
 METHODS = ("whole entries", "layer-major", "staging")
 
