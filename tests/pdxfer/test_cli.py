@@ -74,3 +74,15 @@ def test_cuda_device_without_cuda_is_refused(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(argparse.ArgumentTypeError, match="unknown device 'tpu'"):
         device_name("tpu")
     assert device_name("CPU") == "cpu"
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["bench", "--help"]])
+def test_version_and_help_answer_without_importing_torch(argv: list[str]) -> None:
+    """A tool's first answer is instant: no torch (a second or more to import), nor numpy."""
+    probe = ("import sys\nfrom pdxfer import cli\n"
+             f"try:\n    cli.main({argv!r})\nexcept SystemExit as exc:\n    code = exc.code\n"
+             "heavy = sorted(m for m in ('torch', 'numpy', 'msgpack') if m in sys.modules)\n"
+             "print('HEAVY', code, heavy, file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "HEAVY 0 []", proc.stderr
