@@ -212,19 +212,19 @@ COLUMNS = {
 
 
 def _plot(rows: list[dict], path, note: str) -> None:
-    """Requests/s, engine beside bare transport, per backend and KV layout."""
+    """Requests/s, engine beside bare transport, per backend and KV layout (log when they span)."""
     def draw(plt) -> None:
         labels = [f"{r['backend']}\n{r['kv layout']}" for r in rows]
         x = np.arange(len(rows))
         plt.figure(figsize=(max(5, 1.3 * len(rows)), 3.6))
-        plt.bar(x - 0.2, [r["engine_rps"] for r in rows], 0.4, label="engine")
-        plt.bar(x + 0.2, [r["bare_rps"] for r in rows], 0.4, label="bare transport")
+        engine, bare = [r["engine_rps"] for r in rows], [r["bare_rps"] for r in rows]
+        plt.bar(x - 0.2, engine, 0.4, label="engine")
+        plt.bar(x + 0.2, bare, 0.4, label="bare transport")
         plt.xticks(x, labels, fontsize=7)
         plt.ylabel("requests/s")
-        plt.legend(fontsize=7)
-        plt.figtext(0.5, 0.005, note, ha="center", fontsize=7)
+        br.log_if_dwarfed(plt.gca(), engine + bare)
 
-    br.figure(path, draw, "pdxfer bench engine: requests/s")
+    br.figure(path, draw, "pdxfer bench engine: requests/s", note)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,17 +234,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per configuration (at least 1)")
     parser.add_argument("--batch", type=bounded_int(1, 4096), default=200,
                         help="requests in flight per batch (1..4096)")
-    parser.add_argument("--backends", default=",".join(transport.available()),
+    parser.add_argument("--backends", default=None,
                         help="comma-separated transports (default: all available)")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: the decode side in a child process, as deployed (default 1)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="6 requests, 3 in flight: a smoke run of every configuration")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
-    backends = [b for b in args.backends.split(",") if b]
-    unknown = sorted(set(backends) - set(transport.available()))
-    if unknown or not backends:
-        parser.error(f"backends {unknown} are not installed; choose from "
-                     f"{', '.join(transport.available())}")
+    if args.tiny:
+        args.requests, args.batch = 6, 3
+    backends = br.backends_arg(parser, args.backends)
     br.check_outputs(parser, args)
     report = br.Report("engine", backends, {"requests": args.requests, "batch": args.batch,
                                          "pages": PAGES, "processes": args.processes})
@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.batch} in flight; medians per request; {args.processes} process(es)")
     print(br.machine_line())
     print()
-    emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True))
+    emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True),
+                       br.terminal_width(args.width), keys=2)
     progress = br.Progress(len(backends) * len(KINDS), "configurations")
     rows = []
     for backend in backends:
@@ -281,10 +282,9 @@ def main(argv: list[str] | None = None) -> int:
                   "bare write us": f"{raw['post_us']:.1f}", "engine req/s": f"{eng['rps']:.0f}",
                   "bare transport req/s": f"{raw['rps']:.0f}", "WRs/doorbells": raw["wrs"]})
             progress.step(f"{backend} {kind}")
+    emit.close()
     br.print_legend(COLUMNS, list(COLUMNS))
     report.write(args.json, COLUMNS)
     if args.plot is not None:
-        m = report.data["machine"]
-        _plot(rows, args.plot, f"{m['host']}, {m['cores']} cores, load {m['loadavg'][0]:.1f}, "
-              f"{args.requests} requests, {args.batch} in flight")
+        _plot(rows, args.plot, report.note(f"{args.requests} requests, {args.batch} in flight"))
     return 0

@@ -7,10 +7,16 @@ belongs to, the machine and the backends used, and writes them as JSON
 `Progress` tells a person waiting on a long run how far it is (rows done,
 elapsed, ETA) on stderr, so stdout stays the table. `print_legend` explains
 every column the table printed, from the same dict the bench used to pick
-its columns, so a column cannot appear without its meaning.
+its columns, so a column cannot appear without its meaning. `Table` prints
+the markdown table; one wider than `--width` is cut into several that share
+their leading key columns (every column stays in `--json` whatever is
+printed). `backends_arg` is the one parser of `--backends`.
 
 matplotlib is an optional extra (`pip install pdxfer[plot]`); `--plot` asks
-for it only when used and says how to get it when missing.
+for it only when used and says how to get it when missing. `figure` puts
+the legend beside the axes, never over the data, and `log_if_dwarfed` says
+when a panel's values span so much that a linear axis would flatten all but
+the largest.
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
+
+from ..cliargs import bounded_int
 
 # A run shorter than this prints no progress at all: a quick run stays quiet.
 PROGRESS_AFTER_S = 3.0
@@ -57,23 +66,16 @@ def machine_line() -> str:
 
 
 def add_output_args(parser: argparse.ArgumentParser, plot: bool = True) -> None:
-    """`--json PATH` (and `--plot PATH`) with the same words in every bench."""
+    """`--json PATH`, `--width N` (and `--plot PATH`) with the same words in every bench."""
     parser.add_argument("--json", metavar="PATH", type=Path, default=None,
-                        help="write every raw sample, the machine and the backends as JSON")
+                        help="write every raw sample, every column, the machine and the backends as JSON")
+    parser.add_argument("--width", metavar="N", type=_width, default=None,
+                        help="cut a table wider than N characters into narrower ones sharing the "
+                             "key columns (default: the terminal's width, 80 when not a terminal; "
+                             "0: one table however wide)")
     if plot:
         parser.add_argument("--plot", metavar="PATH", type=Path, default=None,
                             help="draw the figures to PATH (PNG/SVG; needs pip install pdxfer[plot])")
-
-
-def backends(parser: argparse.ArgumentParser, text: str) -> list[str]:
-    """`--backends a,b` as a list, or `parser.error` naming the ones not installed."""
-    from pdxfer import transport  # here: `pdxfer bench --help` should not import the backends
-
-    names = [b for b in text.split(",") if b]
-    unknown = sorted(set(names) - set(transport.available()))
-    if unknown or not names:
-        parser.error(f"backends {unknown} are not installed; choose from {', '.join(transport.available())}")
-    return names
 
 
 def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -94,10 +96,11 @@ class Progress:
     """`rows done/total, elapsed, ETA` on stderr once a run has taken a few seconds."""
 
     def __init__(self, total: int, what: str = "rows", stream: TextIO | None = None,
-                 after_s: float = PROGRESS_AFTER_S, every_s: float = PROGRESS_EVERY_S) -> None:
+                 after_s: float | None = None, every_s: float | None = None) -> None:
         self.total, self.what, self.done = total, what, 0
         self.stream = sys.stderr if stream is None else stream
-        self.after_s, self.every_s = after_s, every_s
+        self.after_s = PROGRESS_AFTER_S if after_s is None else after_s
+        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
         self.started = time.monotonic()
         self.last = float("-inf")
         self.shown = False
@@ -164,35 +167,152 @@ def print_legend(columns: dict[str, str], shown: Iterable[str],
         out(f"  {name}: {columns[name]}")
 
 
-def markdown(columns: list[str], out: Callable[[str], None]) -> Callable[[dict[str, str]], None]:
-    """Print a markdown header for `columns`; returns a function printing one row dict."""
-    out("| " + " | ".join(columns) + " |")
-    out("|" + " --- |" * len(columns))
-    return lambda row: out("| " + " | ".join(row.get(c, "") for c in columns) + " |")
+# What a printed figure takes at most (e.g. "12345.6", "0.85x"): a column is
+# as wide as its header or this, whichever is wider.
+_VALUE_WIDTH = 7
 
 
-def figure(path: Path, draw: Callable[[Any], None], title: str) -> None:
-    """Draw with `draw(pyplot)` and save to `path`, headless."""
+_width = bounded_int(0, 10_000)
+
+
+def terminal_width(width: int | None) -> int:
+    """`--width` as given, else the terminal's columns (80 when stdout is not a terminal)."""
+    return shutil.get_terminal_size((80, 24)).columns if width is None else width
+
+
+def fit(columns: list[str], keys: int, width: int) -> list[list[str]]:
+    """`columns` cut into groups whose markdown lines fit `width`, each led by the first `keys`.
+
+    A column takes `| ` + max(header, a figure) + ` `; one too wide for any
+    group gets a group of its own. `width` 0 keeps one group.
+    """
+    def cell(c: str) -> int:
+        return max(len(c), _VALUE_WIDTH) + 3
+
+    lead, rest = columns[:keys], columns[keys:]
+    if not width:
+        return [columns]
+    base = 1 + sum(cell(c) for c in lead)
+    groups: list[list[str]] = []
+    current: list[str] = []
+    used = base
+    for c in rest:
+        if current and used + cell(c) > width:
+            groups.append(lead + current)
+            current, used = [], base
+        current.append(c)
+        used += cell(c)
+    groups.append(lead + current)
+    return groups
+
+
+class Table:
+    """A markdown table: rows print as they come when it fits `width`, else as groups at `close()`.
+
+    Call it with one row (a dict column -> text); `close()` prints what was
+    held back. Grouped tables repeat the first `keys` columns so every row
+    can be read on its own.
+    """
+
+    def __init__(self, columns: list[str], out: Callable[[str], None], width: int = 0,
+                 keys: int = 1) -> None:
+        self.columns, self.out = columns, out
+        self.groups = fit(columns, keys, width)
+        self.held: list[dict[str, str]] = []
+        if len(self.groups) == 1:
+            self._header(columns)
+
+    def _header(self, columns: list[str]) -> None:
+        self.out("| " + " | ".join(columns) + " |")
+        self.out("|" + " --- |" * len(columns))
+
+    def _line(self, columns: list[str], row: dict[str, str]) -> None:
+        self.out("| " + " | ".join(row.get(c, "") for c in columns) + " |")
+
+    def __call__(self, row: dict[str, str]) -> None:
+        if len(self.groups) == 1:
+            self._line(self.columns, row)
+        else:
+            self.held.append(row)
+
+    def close(self) -> None:
+        """Print the grouped tables (nothing when the rows already printed)."""
+        if len(self.groups) == 1:
+            return
+        for i, group in enumerate(self.groups):
+            if i:
+                self.out("")
+            self._header(group)
+            for row in self.held:
+                self._line(group, row)
+        self.held = []
+
+
+def markdown(columns: list[str], out: Callable[[str], None], width: int = 0,
+             keys: int = 1) -> Table:
+    """A `Table` over `columns` (its header printed now when it fits `width`)."""
+    return Table(columns, out, width, keys)
+
+
+def log_if_dwarfed(ax: Any, values: Iterable[float], ratio: float = 20.0) -> None:
+    """A log y axis when the largest positive value is over `ratio` times the smallest.
+
+    On a linear axis such a panel shows the largest series and a flat line
+    for the rest (nixl's 50 requests/s beside loopback's 2,000).
+    """
+    positive = [v for v in values if v and v > 0]
+    if positive and max(positive) > ratio * min(positive):
+        ax.set_yscale("log")
+        ax.set_ylabel((ax.get_ylabel() or "") + " (log)")
+
+
+def compose(plt: Any, draw: Callable[[Any], None], title: str, note: str = "") -> Any:
+    """Run `draw(pyplot)`, then title it and put one legend beside the axes; returns the figure.
+
+    `draw` labels its lines and bars but places no legend: the legend goes to
+    the right of every panel (one entry per label, whichever panel drew it),
+    so it never hides data; `note` (the machine, its load) goes under the title.
+    """
+    draw(plt)
+    fig = plt.gcf()
+    handles: dict[str, Any] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    fig.suptitle(title + (f"\n{note}" if note else ""), fontsize=9)
+    fig.tight_layout()
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="center left",
+                   bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
+    return fig
+
+
+def figure(path: Path, draw: Callable[[Any], None], title: str, note: str = "") -> None:
+    """`compose` headless and save to `path` (the legend outside the axes included)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    draw(plt)
-    plt.suptitle(title, fontsize=9)
-    plt.tight_layout()
-    plt.savefig(path, dpi=110)
-    plt.close("all")
+    try:
+        compose(plt, draw, title, note).savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close("all")
     print(f"# plot written to {path}", file=sys.stderr)
 
 
-def backends_arg(parser: argparse.ArgumentParser, text: str) -> list[str]:
-    """The comma-separated `--backends` value as names, or the parser's usage error naming the choices."""
+def backends_arg(parser: argparse.ArgumentParser, text: str | None,
+                 variants: bool = False) -> list[str]:
+    """`--backends a,b` as names (None: every installed one), or the usage error naming the choices.
+
+    `variants` also accepts (and by default runs) the registry's variants,
+    e.g. `nixl-all`, which only the transport bench measures.
+    """
     from pdxfer import transport  # here, not at the top: `bench layouts --help` need not load it
 
-    names = [b for b in text.split(",") if b]
-    unknown = sorted(set(names) - set(transport.available()))
+    installed = transport.available() + (transport.variants() if variants else [])
+    names = installed if text is None else [b for b in text.split(",") if b]
+    unknown = sorted(set(names) - set(installed))
     if unknown or not names:
-        parser.error(f"backends {unknown} are not installed; choose from "
-                     f"{', '.join(transport.available())}")
+        parser.error(f"backends {unknown} are not installed; choose from {', '.join(installed)}")
     return names

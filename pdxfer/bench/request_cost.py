@@ -204,8 +204,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV pages per latency request (1..64)")
     parser.add_argument("--backends", default="loopback,tcp",
                         help="comma-separated transports (default: loopback,tcp)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="12 requests, 4 per batch, one round, 3 latency requests: a smoke run")
     br.add_output_args(parser, plot=False)
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.requests, args.batch, args.rounds, args.latency = 12, 4, 1, 3
     backends = br.backends_arg(parser, args.backends)
     br.check_outputs(parser, args)
     report = br.Report("request-cost", backends, {"requests": args.requests, "batch": args.batch,
@@ -216,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
           f"entry-major; {args.requests} requests, medians per call")
     print(br.machine_line())
     print()
-    emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True))
+    width = br.terminal_width(args.width)
+    emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True), width)
+    progress = br.Progress(len(backends), "backends")
     rows = []
     for backend in backends:
         whole: dict[str, list] = {}
@@ -239,16 +245,19 @@ def main(argv: list[str] | None = None) -> int:
         emit({k: row[k.replace(" ", "_")] if k == "backend" else f"{row[k.replace(' ', '_')]:.1f}"
               for k in COLUMNS})
         rows.append(_rates(backend, reqs, args))
+        progress.step(backend)
+    emit.close()
     print()
     print(f"requests/s with {args.batch} in flight, and latency of {args.latency} requests of "
           f"{args.latency_pages} page(s) + 1 state entry sent one at a time (send() to decode "
           f"Success; bare: post to the receiver's last notify); {args.rounds} alternating rounds")
     print()
-    emit = br.markdown(list(RATE_COLUMNS), lambda line: print(line, flush=True))
+    emit = br.markdown(list(RATE_COLUMNS), lambda line: print(line, flush=True), width)
     for row in rows:
         report.row(row)
         emit({k: row[k] if isinstance(row[k], str) else f"{row[k]:.{2 if 'engine/' in k else 0}f}"
               for k in RATE_COLUMNS})
+    emit.close()
     br.print_legend(COLUMNS, list(COLUMNS))
     br.print_legend(RATE_COLUMNS, list(RATE_COLUMNS))
     report.write(args.json, {**COLUMNS, **RATE_COLUMNS})

@@ -36,6 +36,14 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["bench", "layouts", "--reps", "0"], "--reps: 0 is out of range"),
     (["bench", "layouts", "--backends", "pigeon"], "backends ['pigeon'] are not installed"),
     (["bench", "layouts", "--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: directory"),
+    (["bench", "transport", "--width", "-3"], "--width: -3 is out of range; it must be 0..10000"),
+    (["bench", "tp", "--reps", "0"], "--reps: 0 is out of range"),
+    (["bench", "tp", "--layers", "x"], "--layers: expected an integer, got 'x'"),
+    (["bench", "tp", "--heads", "12"], "--heads 12: must be a multiple of 8"),
+    (["bench", "tp", "--pages", "4", "--request", "5"], "--request 5 exceeds --pages 4"),
+    (["bench", "tp", "--backends", "pigeon"], "backends ['pigeon'] are not installed"),
+    (["bench", "tp", "--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: directory"),
+    (["bench", "chunked", "--backends", "pigeon"], "backends ['pigeon'] are not installed"),
 ])
 def test_misuse_is_a_one_line_usage_error(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
