@@ -27,7 +27,7 @@ import torch
 
 from ..config import EngineConfig, KVPoll
 
-OPS = ("open", "expect", "wait", "stats", "release", "bare")
+OPS = ("open", "expect", "wait", "stats", "release", "bare", "reset")
 
 
 def entries_crc(pools: dict[str, Any], indices: dict[str, Any]) -> int:
@@ -91,6 +91,10 @@ class DecodeSide:
     def release(self, rids: list[str]) -> None:
         for rid in rids:
             self.engine.release(rid)
+
+    def reset(self) -> None:
+        """Close the engines and keep the process: one child serves every configuration."""
+        self.close()
 
     def close(self) -> None:
         for eng in self._bare:

@@ -62,6 +62,10 @@ STATE_FIELDS = [
 
 
 KINDS = ("entry-major", "layer-major", "per-layer tensors")
+# Pool sizes (KV pages, state entries) of the engine benches: requests scatter
+# over 4096 pages as a paged allocator's would. `--tiny` takes 64: the pools
+# are zeroed at start, and 4096 64-KiB pages is 256 MiB per pool.
+ENTRIES, TINY_ENTRIES = (4096, 256), (64, 16)
 
 
 def _pools(kind: str, kv_entries: int, state_entries: int) -> dict[str, Any]:
@@ -97,11 +101,12 @@ def _decode_side(backend: str, processes: int) -> Any:
     return LocalDecode()
 
 
-def _bench_engine(backend: str, kind: str, reqs: list, batch: int, processes: int = 1) -> dict[str, Any]:
+def _bench_engine(backend: str, kind: str, reqs: list, batch: int, decode: Any,
+                  entries: tuple[int, int] = ENTRIES) -> dict[str, Any]:
+    """The engine pass of one configuration; `decode` (a `_decode_side`) is reset after it."""
     cfg = EngineConfig(transport=backend, timeout=30.0)
-    kv_n, st_n = 4096, 256
+    kv_n, st_n = entries
     prefill = PrefillEngine(_pools(kind, kv_n, st_n), cfg)
-    decode = _decode_side(backend, processes)
     rows, busy, segs, transfers = [], 0.0, [], set()
     # CPU time of the calling thread inside the engine's own routes and connection
     plan, write = Split(time.thread_time), Split(time.thread_time)
@@ -141,7 +146,7 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, processes: in
             for rid in rids:
                 prefill.release(rid)
     finally:
-        decode.close()
+        decode.call("reset")
         prefill.close()
 
     def med(k: int) -> float:
@@ -153,10 +158,12 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, processes: in
             "raw_us": [[round(v * 1e6, 3) for v in r] for r in rows]}
 
 
-def _bench_transport(backend: str, kind: str, reqs: list, batch: int, processes: int = 1) -> dict[str, float]:
-    kv_n, st_n = 4096, 256
+def _bench_transport(backend: str, kind: str, reqs: list, batch: int, b: Any,
+                     entries: tuple[int, int] = ENTRIES) -> dict[str, float]:
+    """The bare transport pass; its receiving engine lives in `b` (a `_decode_side`), reset after."""
+    kv_n, st_n = entries
     src, dst = _pools(kind, kv_n, st_n), _pools(kind, kv_n, st_n)
-    a, b = transport.create(backend), _decode_side(backend, processes)
+    a = transport.create(backend)
     try:
         local = {p: [a.register(buf) for buf in layout.arena_buffers(arena)] for p, arena in src.items()}
         far = b.call("bare", backend=backend, kind=kind, kv_entries=kv_n, state_entries=st_n)
@@ -187,11 +194,32 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int, processes:
                if hasattr(conn, "wrs") else "-")
     finally:
         a.close()
-        b.close()
+        b.call("reset")
     return {"plan_us": statistics.median(plans) * 1e6, "post_us": statistics.median(posts) * 1e6,
             "rps": len(reqs) / busy, "segments": segs, "wrs": wrs,
             "transfers": {sum(len(ts) for ts in per.values()) for per in tables},
             "raw_post_us": [round(v * 1e6, 3) for v in posts]}
+
+
+def _configuration(backend: str, kind: str, reqs: list, batch: int, decode: Any,
+                   entries: tuple[int, int], report: br.Report) -> tuple[dict[str, Any], str]:
+    """One backend x KV layout: engine and bare passes, segments checked; (row, WRs/doorbells)."""
+    eng = _bench_engine(backend, kind, reqs, batch, decode, entries)
+    raw = _bench_transport(backend, kind, reqs, batch, decode, entries)
+    per_field = 1 if kind == "entry-major" else sum(f.layers for f in KV_FIELDS)
+    want = [_runs(s["kv"], d["kv"]) * per_field + 1 for s, d in reqs]
+    if eng["segments"] != want or raw["segments"] != want or eng["transfers"] != raw["transfers"]:
+        raise SystemExit(f"{backend}/{kind}: segments or transfers per request differ from what "
+                         "the request names")
+    report.sample(backend=backend, kv_layout=kind,
+                  send_plan_write_us=eng["raw_us"], bare_post_us=raw["raw_post_us"])
+    row = {"backend": backend, "kv layout": kind, "segments": statistics.median(want),
+           "transfers": max(eng["transfers"]),
+           "send_us": eng["send_us"], "plan_us": eng["plan_us"], "write_us": eng["write_us"],
+           "engine_us": eng["own_us"], "bare_write_us": raw["post_us"],
+           "engine_rps": eng["rps"], "bare_rps": raw["rps"]}
+    report.row(row)
+    return row, raw["wrs"]
 
 
 COLUMNS = {
@@ -239,16 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: the decode side in a child process, as deployed (default 1)")
     parser.add_argument("--tiny", action="store_true",
-                        help="6 requests, 3 in flight: a smoke run of every configuration")
+                        help="6 requests, 3 in flight, loopback and tcp unless --backends says: a smoke run")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
+    entries = TINY_ENTRIES if args.tiny else ENTRIES
     if args.tiny:
         args.requests, args.batch = 6, 3
-    backends = br.backends_arg(parser, args.backends)
+    backends = br.backends_arg(parser, args.backends, tiny=args.tiny)
     br.check_outputs(parser, args)
     report = br.Report("engine", backends, {"requests": args.requests, "batch": args.batch,
                                          "pages": PAGES, "processes": args.processes})
-    reqs = _requests(args.requests, 4096, 256, seed=0)
+    reqs = _requests(args.requests, *entries, seed=0)
     print(f"requests of {PAGES} KV pages ({layout.entry_bytes_for(KV_FIELDS) // 1024} KiB each) + 1 state "
           f"entry ({layout.entry_bytes_for(STATE_FIELDS) // 1024} KiB); {args.requests} requests, "
           f"{args.batch} in flight; medians per request; {args.processes} process(es)")
@@ -259,29 +288,21 @@ def main(argv: list[str] | None = None) -> int:
     progress = br.Progress(len(backends) * len(KINDS), "configurations")
     rows = []
     for backend in backends:
-        for kind in KINDS:
-            eng = _bench_engine(backend, kind, reqs, args.batch, args.processes)
-            raw = _bench_transport(backend, kind, reqs, args.batch, args.processes)
-            per_field = 1 if kind == "entry-major" else sum(f.layers for f in KV_FIELDS)
-            want = [_runs(s["kv"], d["kv"]) * per_field + 1 for s, d in reqs]
-            if eng["segments"] != want or raw["segments"] != want or eng["transfers"] != raw["transfers"]:
-                raise SystemExit(f"{backend}/{kind}: segments or transfers per request differ from what the request names")
-            report.sample(backend=backend, kv_layout=kind,
-                          send_plan_write_us=eng["raw_us"], bare_post_us=raw["raw_post_us"])
-            row = {"backend": backend, "kv layout": kind, "segments": statistics.median(want),
-                   "transfers": max(eng["transfers"]),
-                   "send_us": eng["send_us"], "plan_us": eng["plan_us"], "write_us": eng["write_us"],
-                   "engine_us": eng["own_us"], "bare_write_us": raw["post_us"],
-                   "engine_rps": eng["rps"], "bare_rps": raw["rps"]}
-            report.row(row)
-            rows.append(row)
-            emit({"backend": backend, "kv layout": kind, "segments": f"{row['segments']:.0f}",
-                  "transfers": str(row["transfers"]),
-                  "send us": f"{eng['send_us']:.1f}", "plan us": f"{eng['plan_us']:.1f}",
-                  "write us": f"{eng['write_us']:.1f}", "engine us": f"{eng['own_us']:.1f}",
-                  "bare write us": f"{raw['post_us']:.1f}", "engine req/s": f"{eng['rps']:.0f}",
-                  "bare transport req/s": f"{raw['rps']:.0f}", "WRs/doorbells": raw["wrs"]})
-            progress.step(f"{backend} {kind}")
+        decode = _decode_side(backend, args.processes)  # one child per backend, reset in between
+        try:
+            for kind in KINDS:
+                row, wrs = _configuration(backend, kind, reqs, args.batch, decode, entries, report)
+                rows.append(row)
+                emit({"backend": backend, "kv layout": kind, "segments": f"{row['segments']:.0f}",
+                      "transfers": str(row["transfers"]),
+                      "send us": f"{row['send_us']:.1f}", "plan us": f"{row['plan_us']:.1f}",
+                      "write us": f"{row['write_us']:.1f}", "engine us": f"{row['engine_us']:.1f}",
+                      "bare write us": f"{row['bare_write_us']:.1f}",
+                      "engine req/s": f"{row['engine_rps']:.0f}",
+                      "bare transport req/s": f"{row['bare_rps']:.0f}", "WRs/doorbells": wrs})
+                progress.step(f"{backend} {kind}")
+        finally:
+            decode.close()
     emit.close()
     br.print_legend(COLUMNS, list(COLUMNS))
     report.write(args.json, COLUMNS)

@@ -310,11 +310,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=bounded_int(1, 1000), default=5, help="timed runs per figure (median)")
     parser.add_argument("--tiny", action="store_true",
-                        help="two layers and a few pages per model: a smoke run of every path")
+                        help="two layers and a few pages per model, loopback and tcp unless --backends "
+                             "says: a smoke run of every path")
     parser.add_argument("--backends", default=None, help="comma-separated (default: every installed one)")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
-    backends = br.backends_arg(parser, args.backends)
+    backends = br.backends_arg(parser, args.backends, tiny=args.tiny)
     br.check_outputs(parser, args)
     report = br.Report("layouts", backends, {"reps": args.reps, "tiny": args.tiny})
     print(f"# pdxfer bench layouts: median of {args.reps} runs{' (tiny)' if args.tiny else ''}")

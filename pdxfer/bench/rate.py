@@ -31,8 +31,6 @@ from ..config import EngineConfig, KVPoll
 from ..decode import DecodeEngine
 from ..prefill import PrefillEngine
 
-KV_ENTRIES, STATE_ENTRIES = 4096, 256
-
 
 def _ready(prefill: PrefillEngine, rids: list[str]) -> None:
     """Until the prefill holds every rid's Expect, so send() posts at once."""

@@ -301,17 +301,26 @@ def figure(path: Path, draw: Callable[[Any], None], title: str, note: str = "") 
     print(f"# plot written to {path}", file=sys.stderr)
 
 
-def backends_arg(parser: argparse.ArgumentParser, text: str | None,
-                 variants: bool = False) -> list[str]:
-    """`--backends a,b` as names (None: every installed one), or the usage error naming the choices.
+# What `--tiny` runs when `--backends` is not given: the two every host has,
+# which set up in milliseconds (a NIXL agent takes a second or more).
+TINY_BACKENDS = ("loopback", "tcp")
 
+
+def backends_arg(parser: argparse.ArgumentParser, text: str | None, variants: bool = False,
+                 tiny: bool = False) -> list[str]:
+    """`--backends a,b` as names, or the usage error naming the choices.
+
+    None means every installed backend — `TINY_BACKENDS` for a `--tiny` run.
     `variants` also accepts (and by default runs) the registry's variants,
     e.g. `nixl-all`, which only the transport bench measures.
     """
     from pdxfer import transport  # here, not at the top: `bench layouts --help` need not load it
 
     installed = transport.available() + (transport.variants() if variants else [])
-    names = installed if text is None else [b for b in text.split(",") if b]
+    if text is None:
+        names = [b for b in installed if b in TINY_BACKENDS] if tiny else installed
+    else:
+        names = [b for b in text.split(",") if b]
     unknown = sorted(set(names) - set(installed))
     if unknown or not names:
         parser.error(f"backends {unknown} are not installed; choose from {', '.join(installed)}")

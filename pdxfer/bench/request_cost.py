@@ -53,20 +53,21 @@ from ..inbound import expect_message
 from ..prefill import PrefillEngine
 from . import rate
 from . import report as br
-from .engine import KV_FIELDS, PAGES, STATE_FIELDS, _pools, _requests
+from .engine import ENTRIES, KV_FIELDS, PAGES, STATE_FIELDS, TINY_ENTRIES, _pools, _requests
 from .probes import Split, probe_prefill
-from .rate import KV_ENTRIES, STATE_ENTRIES, _ready
+from .rate import _ready
 
 
 def _med(values: list[float]) -> float:
     return statistics.median(values) / 1000.0 if values else float("nan")
 
 
-def _engine_pass(backend: str, reqs: list, batch: int, split: bool) -> dict[str, list]:
+def _engine_pass(backend: str, reqs: list, batch: int, split: bool,
+                 entries: tuple[int, int] = ENTRIES) -> dict[str, list]:
     """One run of all requests through a fresh engine pair: per-call times (ns)."""
     cfg = EngineConfig(transport=backend, timeout=30.0)
-    prefill = PrefillEngine(_pools("entry-major", KV_ENTRIES, STATE_ENTRIES), cfg)
-    decode = DecodeEngine(_pools("entry-major", KV_ENTRIES, STATE_ENTRIES), cfg)
+    prefill = PrefillEngine(_pools("entry-major", *entries), cfg)
+    decode = DecodeEngine(_pools("entry-major", *entries), cfg)
     out: dict[str, list] = {k: [] for k in ("send", "send_cpu", "plan", "post", "expect",
                                             "expect_cpu", "check", "tables")}
     plan, post = Split(), Split()
@@ -111,9 +112,9 @@ def _engine_pass(backend: str, reqs: list, batch: int, split: bool) -> dict[str,
     return out
 
 
-def _bare(backend: str, reqs: list, reps: int) -> dict[str, float]:
+def _bare(backend: str, reqs: list, reps: int, entries: tuple[int, int] = ENTRIES) -> dict[str, float]:
     """`plan_segments` and `Connection.write` of the same tables, no engine: medians (us)."""
-    src, dst = _pools("entry-major", KV_ENTRIES, STATE_ENTRIES), _pools("entry-major", KV_ENTRIES, STATE_ENTRIES)
+    src, dst = _pools("entry-major", *entries), _pools("entry-major", *entries)
     a, b = transport.create(backend), transport.create(backend)
     clock = time.perf_counter_ns
     plans, posts = [], []
@@ -166,12 +167,14 @@ RATE_COLUMNS = {
 }
 
 
-def _rates(backend: str, reqs: list, args: argparse.Namespace) -> dict[str, Any]:
+def _rates(backend: str, reqs: list, args: argparse.Namespace,
+           entries: tuple[int, int] = ENTRIES) -> dict[str, Any]:
     """Goal 2's row: engine and bare requests/s and latency, rounds alternating."""
-    pools = functools.partial(_pools, "entry-major", KV_ENTRIES, STATE_ENTRIES)
+    pools = functools.partial(_pools, "entry-major", *entries)
+    kv_n, st_n = entries
     rng = np.random.default_rng(1)
-    small = [({"kv": rng.choice(KV_ENTRIES, args.latency_pages, replace=False), "state": np.array([i % STATE_ENTRIES])},
-              {"kv": rng.choice(KV_ENTRIES, args.latency_pages, replace=False), "state": np.array([i % STATE_ENTRIES])})
+    small = [({"kv": rng.choice(kv_n, args.latency_pages, replace=False), "state": np.array([i % st_n])},
+              {"kv": rng.choice(kv_n, args.latency_pages, replace=False), "state": np.array([i % st_n])})
              for i in range(args.latency)]
     eng_rps, bare_rps, ratios, eng_lat, bare_lat = [], [], [], [], []
     for _ in range(args.rounds):
@@ -208,13 +211,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="12 requests, 4 per batch, one round, 3 latency requests: a smoke run")
     br.add_output_args(parser, plot=False)
     args = parser.parse_args(argv)
+    entries = TINY_ENTRIES if args.tiny else ENTRIES
     if args.tiny:
         args.requests, args.batch, args.rounds, args.latency = 12, 4, 1, 3
     backends = br.backends_arg(parser, args.backends)
     br.check_outputs(parser, args)
     report = br.Report("request-cost", backends, {"requests": args.requests, "batch": args.batch,
                                                   "pages": PAGES})
-    reqs = _requests(args.requests, KV_ENTRIES, STATE_ENTRIES, seed=0)
+    reqs = _requests(args.requests, *entries, seed=0)
     print(f"send() of {PAGES} scattered KV pages ({layout.entry_bytes_for(KV_FIELDS) // 1024} KiB "
           f"each) + 1 state entry ({layout.entry_bytes_for(STATE_FIELDS) // 1024} KiB), "
           f"entry-major; {args.requests} requests, medians per call")
@@ -229,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         parts: dict[str, list] = {}
         for _ in range(args.rounds):  # alternating, so load bursts hit both passes
             for acc, split in ((whole, False), (parts, True)):
-                for k, v in _engine_pass(backend, reqs, args.batch, split).items():
+                for k, v in _engine_pass(backend, reqs, args.batch, split, entries).items():
                     acc.setdefault(k, []).extend(v)
-        bare = _bare(backend, reqs, args.requests)
+        bare = _bare(backend, reqs, args.requests, entries)
         own = [s - p - q for s, p, q in zip(parts["send"], parts["plan"], parts["post"], strict=True)]
         row = {"backend": backend,
                "send_us": _med(whole["send"]), "send_cpu_us": _med(whole["send_cpu"]),
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         report.sample(backend=backend, send_ns=whole["send"], expect_ns=whole["expect"])
         emit({k: row[k.replace(" ", "_")] if k == "backend" else f"{row[k.replace(' ', '_')]:.1f}"
               for k in COLUMNS})
-        rows.append(_rates(backend, reqs, args))
+        rows.append(_rates(backend, reqs, args, entries))
         progress.step(backend)
     emit.close()
     print()

@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=bounded_int(1), default=5, help="timed runs per figure (median)")
     parser.add_argument("--quick", action="store_true", help="32 MiB per case, for a short run")
     parser.add_argument("--tiny", action="store_true",
-                        help="4 MiB per case, one run each: a smoke run of every method in seconds")
+                        help="4 MiB per case, one run each, loopback and tcp unless --backends says: "
+                             "a smoke run in seconds")
     parser.add_argument("--backends", default=None,
                         help="comma-separated backends (default: every installed one)")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     total = (4 if args.tiny else 32 if args.quick else args.total_mib) * MiB
     reps = 1 if args.tiny else args.reps
-    backends = br.backends_arg(parser, args.backends, variants=True)  # nixl-all: UCX's full list
+    backends = br.backends_arg(parser, args.backends, variants=True, tiny=args.tiny)  # + nixl-all
     br.check_outputs(parser, args)
     report = br.Report("transport", backends,
                        {"total_bytes": total, "reps": reps, "processes": args.processes})
