@@ -296,3 +296,26 @@ def test_plot_legend_sits_outside_every_panel() -> None:
             assert not box.overlaps(ax.get_window_extent(renderer))
     finally:
         plt.close("all")
+
+
+def test_the_engine_never_imports_the_benches() -> None:
+    """`pdxfer/bench/` measures the engine; no engine module may depend on it (the CLI names
+    bench modules as strings and imports the one asked for)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "pdxfer"
+    offenders = []
+    for path in root.rglob("*.py"):
+        if "bench" in path.relative_to(root).parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):  # `from . import bench` names it as an alias
+                base = f"{'.' * node.level}{node.module or ''}"
+                names = [base] if node.module else [f"{base}{a.name}" for a in node.names]
+            else:
+                continue
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names
+                          if n.startswith(("pdxfer.bench", ".bench", "..bench"))]
+    assert not offenders
