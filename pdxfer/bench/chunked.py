@@ -38,8 +38,8 @@ from ..config import EngineConfig, KVPoll
 from ..errors import UnknownRequestError
 from ..prefill import PrefillEngine
 from . import report as br
+from . import workload
 from .decode_peer import LocalDecode, entries_crc
-from .engine import _pools
 from .peer import CHILD_NOTE, ChildPeer, crosses_processes
 
 MODES = ("chunked", "after", "transfer only")
@@ -114,7 +114,7 @@ def run(backends: list[str], pages: int, chunks: int, compute_ms: float, reps: i
     progress = br.Progress(len(backends) * (reps + 1), "rounds")
     rows = []
     for backend in backends:
-        pools = _pools("entry-major", kv_n, st_n)
+        pools = workload.pools("entry-major", kv_n, st_n)
         for arena in pools.values():  # random bytes: a crc of zeros would prove nothing
             arena.buf.copy_(torch.from_numpy(rng.integers(0, 256, arena.buf.numel(), dtype=np.uint8)))
         prefill = PrefillEngine(pools, EngineConfig(transport=backend, timeout=30.0))

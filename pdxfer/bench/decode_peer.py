@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..config import EngineConfig, KVPoll
+from . import workload
 
 OPS = ("open", "expect", "wait", "stats", "release", "bare", "reset")
 
@@ -50,9 +51,8 @@ class DecodeSide:
 
     def open(self, backend: str, kind: str, kv_entries: int, state_entries: int) -> None:
         from ..decode import DecodeEngine
-        from .engine import _pools
 
-        self.pools = _pools(kind, kv_entries, state_entries)
+        self.pools = workload.pools(kind, kv_entries, state_entries)
         self.engine = DecodeEngine(self.pools, EngineConfig(transport=backend, timeout=30.0))
 
     def expect(self, rids: list[str], addr: str, indices: list[dict[str, list[int]]]) -> None:
@@ -79,9 +79,7 @@ class DecodeSide:
         """A bare transport engine with fresh pools' buffers registered: address and descriptors."""
         from pdxfer import layout, transport
 
-        from .engine import _pools
-
-        self._bare_pools = _pools(kind, kv_entries, state_entries)
+        self._bare_pools = workload.pools(kind, kv_entries, state_entries)
         eng = transport.create(backend)
         self._bare.append(eng)
         return {"address": eng.address(),

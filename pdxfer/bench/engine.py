@@ -36,7 +36,6 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 
 from pdxfer import layout, transport
 
@@ -44,48 +43,11 @@ from ..cliargs import bounded_int
 from ..config import EngineConfig, KVPoll
 from ..prefill import PrefillEngine
 from . import report as br
+from . import workload
 from .decode_peer import LocalDecode
 from .peer import ChildPeer, crosses_processes
 from .probes import Split, probe_prefill
-
-PAGES = 16
-# A small model's page: 8 layers x 16 tokens x 2 heads x 64 dims fp16, K and V (64 KiB).
-KV_FIELDS = [
-    layout.EntryField("k", 8, (16, 2, 64), torch.float16),
-    layout.EntryField("v", 8, (16, 2, 64), torch.float16),
-]
-# A hybrid layer's recurrent state: conv window and SSM state per layer (~40 KiB).
-STATE_FIELDS = [
-    layout.EntryField("conv", 8, (3, 128), torch.bfloat16),
-    layout.EntryField("ssm", 8, (8, 128), torch.float32),
-]
-
-
-KINDS = ("entry-major", "layer-major", "per-layer tensors")
-# Pool sizes (KV pages, state entries) of the engine benches: requests scatter
-# over 4096 pages as a paged allocator's would. `--tiny` takes 64: the pools
-# are zeroed at start, and 4096 64-KiB pages is 256 MiB per pool.
-ENTRIES, TINY_ENTRIES = (4096, 256), (64, 16)
-
-
-def _pools(kind: str, kv_entries: int, state_entries: int) -> dict[str, Any]:
-    if kind == "per-layer tensors":  # as SGLang allocates: one tensor per layer and field
-        kv: Any = layout.PerLayerArena({f.name: [torch.zeros(kv_entries, *f.shape, dtype=f.dtype)
-                                                 for _ in range(f.layers)] for f in KV_FIELDS})
-    else:
-        kv_cls = layout.EntryMajorArena if kind == "entry-major" else layout.LayerMajorArena
-        kv = kv_cls(KV_FIELDS, kv_entries, "cpu")
-    return {"kv": kv, "state": layout.EntryMajorArena(STATE_FIELDS, state_entries, "cpu")}
-
-
-def _requests(n: int, kv_entries: int, state_entries: int, seed: int) -> list[tuple[dict, dict]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        src = {"kv": rng.choice(kv_entries, PAGES, replace=False), "state": np.array([i % state_entries])}
-        dst = {"kv": rng.choice(kv_entries, PAGES, replace=False), "state": np.array([i % state_entries])}
-        out.append((src, dst))
-    return out
+from .workload import ENTRIES, KINDS, KV_FIELDS, TINY_ENTRIES
 
 
 def _runs(src: np.ndarray, dst: np.ndarray) -> int:
@@ -106,7 +68,7 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, decode: Any,
     """The engine pass of one configuration; `decode` (a `_decode_side`) is reset after it."""
     cfg = EngineConfig(transport=backend, timeout=30.0)
     kv_n, st_n = entries
-    prefill = PrefillEngine(_pools(kind, kv_n, st_n), cfg)
+    prefill = PrefillEngine(workload.pools(kind, kv_n, st_n), cfg)
     rows, busy, segs, transfers = [], 0.0, [], set()
     # CPU time of the calling thread inside the engine's own routes and connection
     plan, write = Split(time.thread_time), Split(time.thread_time)
@@ -162,7 +124,7 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int, b: Any,
                      entries: tuple[int, int] = ENTRIES) -> dict[str, float]:
     """The bare transport pass; its receiving engine lives in `b` (a `_decode_side`), reset after."""
     kv_n, st_n = entries
-    src, dst = _pools(kind, kv_n, st_n), _pools(kind, kv_n, st_n)
+    src, dst = workload.pools(kind, kv_n, st_n), workload.pools(kind, kv_n, st_n)
     a = transport.create(backend)
     try:
         local = {p: [a.register(buf) for buf in layout.arena_buffers(arena)] for p, arena in src.items()}
@@ -276,10 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     backends = br.backends_arg(parser, args.backends, tiny=args.tiny)
     br.check_outputs(parser, args)
     report = br.Report("engine", backends, {"requests": args.requests, "batch": args.batch,
-                                         "pages": PAGES, "processes": args.processes})
-    reqs = _requests(args.requests, *entries, seed=0)
-    print(f"requests of {PAGES} KV pages ({layout.entry_bytes_for(KV_FIELDS) // 1024} KiB each) + 1 state "
-          f"entry ({layout.entry_bytes_for(STATE_FIELDS) // 1024} KiB); {args.requests} requests, "
+                                         "pages": workload.PAGES, "processes": args.processes})
+    reqs = workload.requests(args.requests, *entries, seed=0)
+    print(f"requests of {workload.describe()}; {args.requests} requests, "
           f"{args.batch} in flight; medians per request; {args.processes} process(es)")
     print(br.machine_line())
     print()

@@ -51,11 +51,11 @@ from ..config import EngineConfig
 from ..decode import DecodeEngine
 from ..inbound import expect_message
 from ..prefill import PrefillEngine
-from . import rate
+from . import rate, workload
 from . import report as br
-from .engine import ENTRIES, KV_FIELDS, PAGES, STATE_FIELDS, TINY_ENTRIES, _pools, _requests
 from .probes import Split, probe_prefill
 from .rate import _ready
+from .workload import ENTRIES, TINY_ENTRIES
 
 
 def _med(values: list[float]) -> float:
@@ -66,8 +66,8 @@ def _engine_pass(backend: str, reqs: list, batch: int, split: bool,
                  entries: tuple[int, int] = ENTRIES) -> dict[str, list]:
     """One run of all requests through a fresh engine pair: per-call times (ns)."""
     cfg = EngineConfig(transport=backend, timeout=30.0)
-    prefill = PrefillEngine(_pools("entry-major", *entries), cfg)
-    decode = DecodeEngine(_pools("entry-major", *entries), cfg)
+    prefill = PrefillEngine(workload.pools("entry-major", *entries), cfg)
+    decode = DecodeEngine(workload.pools("entry-major", *entries), cfg)
     out: dict[str, list] = {k: [] for k in ("send", "send_cpu", "plan", "post", "expect",
                                             "expect_cpu", "check", "tables")}
     plan, post = Split(), Split()
@@ -114,7 +114,7 @@ def _engine_pass(backend: str, reqs: list, batch: int, split: bool,
 
 def _bare(backend: str, reqs: list, reps: int, entries: tuple[int, int] = ENTRIES) -> dict[str, float]:
     """`plan_segments` and `Connection.write` of the same tables, no engine: medians (us)."""
-    src, dst = _pools("entry-major", *entries), _pools("entry-major", *entries)
+    src, dst = workload.pools("entry-major", *entries), workload.pools("entry-major", *entries)
     a, b = transport.create(backend), transport.create(backend)
     clock = time.perf_counter_ns
     plans, posts = [], []
@@ -170,7 +170,7 @@ RATE_COLUMNS = {
 def _rates(backend: str, reqs: list, args: argparse.Namespace,
            entries: tuple[int, int] = ENTRIES) -> dict[str, Any]:
     """Goal 2's row: engine and bare requests/s and latency, rounds alternating."""
-    pools = functools.partial(_pools, "entry-major", *entries)
+    pools = functools.partial(workload.pools, "entry-major", *entries)
     kv_n, st_n = entries
     rng = np.random.default_rng(1)
     small = [({"kv": rng.choice(kv_n, args.latency_pages, replace=False), "state": np.array([i % st_n])},
@@ -217,11 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     backends = br.backends_arg(parser, args.backends)
     br.check_outputs(parser, args)
     report = br.Report("request-cost", backends, {"requests": args.requests, "batch": args.batch,
-                                                  "pages": PAGES})
-    reqs = _requests(args.requests, *entries, seed=0)
-    print(f"send() of {PAGES} scattered KV pages ({layout.entry_bytes_for(KV_FIELDS) // 1024} KiB "
-          f"each) + 1 state entry ({layout.entry_bytes_for(STATE_FIELDS) // 1024} KiB), "
-          f"entry-major; {args.requests} requests, medians per call")
+                                                  "pages": workload.PAGES})
+    reqs = workload.requests(args.requests, *entries, seed=0)
+    print(f"send() of {workload.describe()}, scattered, entry-major; {args.requests} requests, "
+          "medians per call")
     print(br.machine_line())
     print()
     width = br.terminal_width(args.width)
