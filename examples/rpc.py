@@ -73,6 +73,7 @@ class GenerateDone:
     request_id: str
     tokens: list
     transfer: dict  # TransferFigures fields
+    resizes: list  # elastic.ResizeFigures fields, per boundary move during the request (v2)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class PrefillDone:
     TYPE: ClassVar[str] = "prefill_done"
     request_id: str
     transfer: dict  # TransferFigures fields
+    resizes: list  # elastic.ResizeFigures fields, per boundary move during the request (v2)
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class Failed:
 
 
 PROTOCOL = Protocol(
-    "pdxfer-example", 1,
+    "pdxfer-example", 2,  # 2: resizes
     [Hello, HelloReply, Generate, GenerateDone, Prefill, PrefillDone, Failed],
 )
 
