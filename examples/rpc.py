@@ -6,7 +6,8 @@ Three small request/reply exchanges, each a typed, versioned msgpack frame of
 - `Hello` -> `HelloReply`: who a worker is, which model it serves (the weights
   digest, so two machines with different models refuse each other up front)
   and, for a prefill worker, its pdxfer bootstrap address.
-- `Generate` -> `GenerateDone | Failed`: client to decode worker, one request.
+- `Generate` -> `GenerateDone | Failed`: client to decode worker, one request
+  (with the pool-boundary moves both workers made during it, `--resize-every`).
 - `Prefill` -> `PrefillDone | Failed`: decode worker to prefill worker, carrying
   the destination entries so the prefill side can count what a layer-major
   pool would have posted for the same transfer.

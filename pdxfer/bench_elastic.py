@@ -16,7 +16,7 @@ entry before and after), so a wrong move stops the bench.
 
 Entries moved per resize. A simulated serving pool (`--sim-slots` slots,
 requests of 1 state + 2..8 pages arriving and finishing at random, about
-60% of the slots in use) whose boundary moves by `--step` slots, the state
+60% or 85% of the slots in use) whose boundary moves by `--step` slots, the state
 pool growing and shrinking in turn; between moves, requests churn. What a
 move relocates depends on where the allocator put the entries, so three
 allocators: "far" hands out pages lowest-first and states highest-first
@@ -47,7 +47,7 @@ from . import bench_report as br
 from .cliargs import bounded_int, device_name
 
 KiB, MiB = 1 << 10, 1 << 20
-TARGET = 0.6  # share of the simulated pool's slots in use
+TARGETS = (0.6, 0.85)  # shares of the simulated pool's slots in use
 PAGE = [layout.EntryField("kv", 4, (2048,), torch.float16)]  # 16 KiB
 STATE = [layout.EntryField("state", 4, (8192,), torch.float16)]  # 64 KiB
 
@@ -64,11 +64,13 @@ COLUMNS = {
 }
 SIM_COLUMNS = {
     "allocator": "where the simulated allocator puts new entries (see the module docstring)",
+    "target": "share of the slots the churn keeps in use",
     "grow moved": "pages relocated per move that grows the state pool (mean)",
     "grow runs": "copy runs per such move (mean)",
     "shrink moved": "states relocated per move that shrinks the state pool (mean)",
     "shrink runs": "copy runs per such move (mean)",
     "in use": "share of the slots in use when the boundary moved (mean)",
+    "refused": "moves refused: the shrinking pool had too few free entries for its movers",
 }
 
 
@@ -157,7 +159,7 @@ def _take(used: np.ndarray, lo: int, hi: int, count: int, where: str, page: bool
     return free[:count] if low_first else free[free.size - count:]
 
 
-def simulate(where: str, slots: int, step: int, moves: int, seed: int) -> dict:
+def simulate(where: str, target: float, slots: int, step: int, moves: int, seed: int) -> dict:
     """Mean entries and runs per move under churn, for one allocator policy."""
     rng = np.random.default_rng(seed)
     pools = layout.ElasticPools([layout.EntryField("p", 1, (64,), torch.uint8)],
@@ -165,9 +167,10 @@ def simulate(where: str, slots: int, step: int, moves: int, seed: int) -> dict:
     used = np.zeros(slots, dtype=bool)
     live: list[tuple[np.ndarray, np.ndarray]] = []
     stats: dict[str, list] = {"page": [], "state": [], "use": []}
+    refused = 0
     for k in range(moves):
-        for _ in range(slots // 8):  # churn: requests finish and arrive, about TARGET in use
-            if live and (used.mean() > TARGET or rng.random() < 0.25):
+        for _ in range(slots // 8):  # churn: requests finish and arrive, about `target` in use
+            if live and (used.mean() > target or rng.random() < 0.25):
                 pages, state = live.pop(int(rng.integers(len(live))))
                 used[pages] = used[state] = False
                 continue
@@ -189,7 +192,8 @@ def simulate(where: str, slots: int, step: int, moves: int, seed: int) -> dict:
         try:
             plan = layout.plan_resize(pools, new, np.flatnonzero(used[lo:hi]) + lo)
         except layout.LayoutError:
-            continue  # too full to move now: a scheduler would retry later
+            refused += 1  # too full to move now: a scheduler would retry later
+            continue
         stats["use"].append(float(used.mean()))
         moved = layout.relocate(pools, plan)
         stats[plan.shrinking].append((plan.entries, int(plan.runs.shape[0])))
@@ -200,10 +204,11 @@ def simulate(where: str, slots: int, step: int, moves: int, seed: int) -> dict:
     def mean(pairs: list, i: int) -> float:
         return statistics.fmean(p[i] for p in pairs) if pairs else float("nan")
 
-    return {"allocator": where, "grow moved": mean(stats["page"], 0),
+    return {"allocator": where, "target": target, "grow moved": mean(stats["page"], 0),
             "grow runs": mean(stats["page"], 1), "shrink moved": mean(stats["state"], 0),
             "shrink runs": mean(stats["state"], 1),
-            "in use": statistics.fmean(stats["use"]) if stats["use"] else float("nan")}
+            "in use": statistics.fmean(stats["use"]) if stats["use"] else float("nan"),
+            "refused": refused}
 
 
 def _fmt(row: dict) -> dict[str, str]:
@@ -253,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     br.print_legend(COLUMNS, list(COLUMNS))
     print(f"\n# simulated: {args.sim_slots} slots, moves of {args.step} slots, {args.moves} "
           "moves per allocator, requests of 1 state + 2..8 pages")
-    sim = [simulate(w, args.sim_slots, args.step, args.moves, seed=7) for w in ("far", "random", "near")]
+    sim = [simulate(w, t, args.sim_slots, args.step, args.moves, seed=7)
+           for t in TARGETS for w in ("far", "random", "near")]
     show = br.markdown(list(SIM_COLUMNS), print)
     for row in sim:
         show(_fmt(row))
