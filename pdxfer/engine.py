@@ -5,6 +5,8 @@ registered with it, a request table, one progress thread — and answer the same
 non-blocking questions about a request (`poll`, `failure_reason`, `stats`) and
 the same blocking one (`wait`). Those live here once; what differs (who
 listens, who dials, who posts, who fences) is in `prefill.py` and `decode.py`.
+So does the one call that changes the pools under traffic, `resize` (a page/
+state boundary of `layout.ElasticPools`; its bookkeeping is `resizing.py`).
 
 Lock discipline, the one rule that keeps this deadlock-free and keeps one
 peer from slowing the others: the table's lock guards request state and is
