@@ -36,17 +36,21 @@ Moving the boundary is two steps, both here:
   the two arenas. It returns the `IndexMap` (old -> new indices of the moved
   entries) the caller's allocator and request tables apply.
 
-This is the checkpoint path's copy discipline (one `copy_` per contiguous
-range, on the tensors' own device, CUDA or CPU), applied to whole entries.
-Sources are in the vacated range and destinations outside it, so no copy
-reads bytes another one writes. A CUDA relocation synchronizes its stream
+This is the copy discipline the entry-arena design gives checkpoints (one
+`copy_` per contiguous range, on the tensors' own device, CUDA or CPU),
+applied to whole entries. Sources are in the vacated range and
+destinations outside it, so no copy reads bytes another one writes. A CUDA relocation synchronizes its stream
 before returning: a peer may write into the vacated slots as soon as the
 new boundary is announced, and the copies must have read them by then.
 
-Deliberately absent: moving an entry that is being transferred. Layout
-cannot know that; the PD engine refuses such a resize (`pdxfer`'s
-`Engine.resize`). Also absent: filling newly live entries with their
-fields' declared fills. They hold whatever the other pool left, like any
+Deliberately absent: one batched gather/scatter for many short runs. A run
+costs a few µs of Python and dispatch over its bytes (docs/benchmarks.md,
+"Elastic pools"), which matters only for moves of hundreds of scattered
+entries, and an allocator that keeps entries away from the boundary rarely
+makes those; add it (as `transport/device_copy.py` batches) if one does.
+Also absent: moving an entry that is being transferred. Layout cannot know
+that; the PD engine refuses such a resize (`pdxfer`'s `Engine.resize`).
+And filling newly live entries with their fields' declared fills. They hold whatever the other pool left, like any
 entry a free list hands out, and a caller resets an entry when it takes it.
 """
 
