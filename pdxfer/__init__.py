@@ -14,7 +14,9 @@ What a serving engine links into its workers, in a page of code:
 
 Both engines register each allocation once at start-up, describe their pools
 in the handshake (refusing a layout mismatch with the pool and field named),
-and ship one transfer per pool per request, planned by `layout`. When prefill
+and ship one transfer per pool per request, planned by `layout`. A page pool
+and a state pool carved from one allocation (`layout.ElasticPools`) can move
+their boundary under traffic (`engine.resize`). When prefill
 and decode run different TP sizes, each rank's engine serves shard-major pools
 and `HeteroTPPrefill`/`HeteroTPDecode` split a request into rank pairs.
 
@@ -38,9 +40,10 @@ _EXPORTS = {
     "ConfigError": "errors", "LayoutError": "errors", "LayoutMismatchError": "errors",
     "PdxferError": "errors", "PeerLostError": "errors", "ProtocolError": "errors",
     "RegistrationError": "errors", "RequestError": "errors", "RequestFailed": "errors",
-    "TransferTimeout": "errors", "TransportError": "errors", "UnknownRequestError": "errors",
+    "ResizeBlockedError": "errors", "TransferTimeout": "errors", "TransportError": "errors", "UnknownRequestError": "errors",
     "PrefillEngine": "prefill",
     "RequestOutcome": "requests",
+    "ResizeReport": "resizing",
     "HeteroTPDecode": "tp_group", "HeteroTPPrefill": "tp_group", "group_address": "tp_group",
     "sub_request_id": "tp_group",
 }

@@ -33,6 +33,7 @@ _COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
         "tp": ("pdxfer.bench.tp", "heterogeneous TP: shard-major vs per-token/per-head slicing"),
         "chunked": ("pdxfer.bench.chunked", "chunked prefill: transfer hidden behind compute vs sending after"),
         "scaling": ("pdxfer.bench.scaling", "GB/s and us per request against request size, entry- vs layer-major"),
+        "elastic": ("pdxfer.bench.elastic", "moving a page/state pool boundary: relocation GB/s, entries moved"),
     },
 }
 
