@@ -256,7 +256,12 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, quick if args.quick else full)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
-    torch.set_num_threads(args.threads)
+    with br.torch_threads(args.threads):
+        return _run(args, device)
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> int:
+    """Both tables, on `device`, with the sizes `main` settled."""
     report = br.Report("elastic", [], vars(args) | {"device": str(device), "json": None})
     width = br.terminal_width(args.width)
     progress = br.Progress(4 + len(TARGETS) * 3, "cases")

@@ -22,13 +22,14 @@ the largest.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -304,6 +305,23 @@ def figure(path: Path, draw: Callable[[Any], None], title: str, note: str = "") 
 # What `--tiny` runs when `--backends` is not given: the two every host has,
 # which set up in milliseconds (a NIXL agent takes a second or more).
 TINY_BACKENDS = ("loopback", "tcp")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` for a run, then put back.
+
+    The count is process-wide: a bench run in-process (the CLI tests, the
+    docs test) must not leave the rest of the process on one thread.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def backends_arg(parser: argparse.ArgumentParser, text: str | None, variants: bool = False,

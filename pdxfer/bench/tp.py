@@ -279,11 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     report = br.Report("tp", args.backends, {
         "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim, "pages": args.pages,
         "request": args.request, "reps": args.reps, "page_tokens": PAGE})
-    torch.set_num_threads(1)
     print(f"# pdxfer bench tp: {args.layers} layers x k,v x {args.heads} heads x {args.head_dim} "
           f"bf16, {PAGE}-token pages, {args.request}-page request, median of {args.reps}")
     print(br.machine_line())
-    run(args, lambda line: print(line, flush=True), report, br.terminal_width(args.width))
+    with br.torch_threads(1):
+        run(args, lambda line: print(line, flush=True), report, br.terminal_width(args.width))
     report.write(args.json, report.data["columns"])
     return 0
 

@@ -319,3 +319,17 @@ def test_the_engine_never_imports_the_benches() -> None:
             offenders += [f"{path.relative_to(root)}: {n}" for n in names
                           if n.startswith(("pdxfer.bench", ".bench", "..bench"))]
     assert not offenders
+
+
+def test_a_bench_leaves_torch_threads_as_it_found_them(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)  # any value but the benches' 1
+    try:
+        assert cli.main(["bench", "tp", "--tiny", "--backends", "loopback"]) == 0
+        assert cli.main(["bench", "elastic", "--tiny"]) == 0
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
+        capsys.readouterr()
