@@ -35,8 +35,8 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "loopback": (".loopback", "LoopbackEngine", "built in"),
     "tcp": (".tcp", "TcpEngine", "built in"),
     "nixl": (".nixl", "NixlEngine", "pip install nixl-cu12 (bundles UCX)"),
-    "verbs": (".verbs_hw", "VerbsEngine", "python3-pyverbs and an ACTIVE RDMA port"),
-    "verbs-sim": (".verbs", "SoftVerbsEngine", "built in: the software verbs fabric"),
+    "verbs": (".verbs.hw", "VerbsEngine", "python3-pyverbs and an ACTIVE RDMA port"),
+    "verbs-sim": (".verbs.sim", "SoftVerbsEngine", "built in: the software verbs fabric"),
 }
 
 # Named variants: name -> (backend, the options it pins).
