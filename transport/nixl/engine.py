@@ -94,8 +94,12 @@ class NixlEngine(EngineBase):
         self._admitting = threading.Lock()  # a new link's regions vs a region being registered
         self._serial = itertools.count(1)
         self._initiator = Initiator(self.engine_id, self.tls, self.device)
+        # No fence possible (one-sided transports): the initiating agent serves every inbound
+        # link too, so each region is registered once per engine (inbound.py).
+        self._shared = None if self.capabilities.fence else self._initiator
         self._requests = Requests(self._initiator)
-        self._progress = Progress(self.engine_id, self._requests, self.inbound)
+        self._progress = Progress(self.engine_id, self._requests, self.inbound,
+                                  shared=self._shared is not None)
         try:
             self.listen(host, port, max_pending)
         except BaseException:
@@ -138,10 +142,16 @@ class NixlEngine(EngineBase):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = InboundPeer(self.inbound, sock, where, slot, engine_id=self.engine_id,
                            serial=next(self._serial), tls=self.tls, device=self.device,
-                           admit=self._admit, live=self.regions.live)
+                           admit=self._admit, live=self.regions.live, shared=self._shared)
         if not (self.inbound.track(peer) and peer.start(peer.run, f"nixl-in {where}")):
             slot.admitted()  # closing: nothing more is served
             sock.close()
+
+    def backend_usage(self) -> dict[str, int]:
+        links = [p for p in self._peers() if p.shared is None]
+        return {"registrations": self._initiator.registrations + sum(len(p.held) for p in links),
+                "agents": 1 + len(links),
+                "prepared_descriptors": self._initiator.prepared.descs}
 
     # -- lifecycle ------------------------------------------------------------------------------
     def release(self) -> None:
