@@ -197,6 +197,7 @@ def legend(columns: list[str], streams: int, processes: int = 1) -> dict[str, st
         RAW_DEFAULT: "the same with UCX's default transports (cma / shared memory on one host), GB/s",
         "tcp/raw NIXL (UCX default)": "tcp GB/s over raw NIXL (UCX default) GB/s",
         "nixl/raw NIXL (tcp)": "nixl GB/s over raw NIXL (tcp) GB/s",
+        "nixl-all/raw NIXL (UCX default)": "nixl-all GB/s over raw NIXL (UCX default) GB/s",
     }
     out = {}
     for c in columns:
@@ -227,7 +228,7 @@ def _pairs(backends: list[str], src: np.ndarray, local: LocalPeer, remote: Peer,
         pairs["tcp"] = _EnginePair("tcp", src, local, remote)
         pairs["tcp 1 stream"] = _EnginePair("tcp", src, local, remote, streams=1)
         columns += ["raw socket", _tcp_col(pairs), "tcp/raw", "tcp 1 stream"]
-    if "nixl" in backends:
+    if "nixl" in backends or "nixl-all" in backends:
         # NIXL itself, on the transports our nixl backend uses and on UCX's own choice.
         nixls[RAW_TCP] = RawNixlPair(src, remote, "tcp")
         nixls[RAW_DEFAULT] = RawNixlPair(src, remote, "")
@@ -239,6 +240,8 @@ def _pairs(backends: list[str], src: np.ndarray, local: LocalPeer, remote: Peer,
         columns += [name, f"{name}/memcpy"] + ([f"{name}/tcp"] if raw is not None else [])
         if name == "nixl":
             columns.append("nixl/raw NIXL (tcp)")
+        if name == "nixl-all":
+            columns.append("nixl-all/raw NIXL (UCX default)")
         if hasattr(pairs[name].conn, "wrs"):
             columns.append(f"{name} WRs/doorbells")
     return raw
@@ -261,6 +264,7 @@ def _row(name: str, gbs: dict[str, float], pairs: dict[str, _EnginePair], table:
     ratio("tcp/raw", "tcp", "raw socket")
     ratio("tcp/raw NIXL (UCX default)", "tcp", RAW_DEFAULT)
     ratio("nixl/raw NIXL (tcp)", "nixl", RAW_TCP)
+    ratio("nixl-all/raw NIXL (UCX default)", "nixl-all", RAW_DEFAULT)
     for other in [p for p in pairs if p not in ("loopback", "tcp", "tcp 1 stream")]:
         ratio(f"{other}/memcpy", other, "memcpy")
         ratio(f"{other}/tcp", other, "tcp")
