@@ -223,23 +223,44 @@ class Requests:
         self._queue.clear()
 
 
-def block_indices(table: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row of `table` as the int32 indices of the `block`-byte blocks it covers, both sides.
+# Tables of at most this many rows (a request's: already merged by the planner)
+# are cut into blocks in plain ints: a few numpy calls cost more than the loop.
+SMALL = 64
 
-    Rows of exactly one block (a page table) are one division per side;
-    longer rows repeat their first block with a running offset (no loop per row).
+
+def blocks(table: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """`(block, local indices, remote indices)`: every row of `table` as the blocks it covers.
+
+    `block` is the largest power of two dividing every offset and length
+    (the table's granule); a row of k blocks lists k consecutive indices on
+    each side (NIXL merges them back into one operation). int32, as
+    `make_prepped_xfer` takes them.
     """
+    if table.shape[0] <= SMALL:
+        rows = table.tolist()
+        bits = 0
+        for s, d, n in rows:
+            bits |= s | d | n
+        block = bits & -bits
+        src: list[int] = []
+        dst: list[int] = []
+        for s, d, n in rows:
+            k, a, b = n // block, s // block, d // block
+            if k == 1:
+                src.append(a)
+                dst.append(b)
+            else:
+                src.extend(range(a, a + k))
+                dst.extend(range(b, b + k))
+        return block, np.array(src, dtype=np.int32), np.array(dst, dtype=np.int32)
+    table = table.view(np.ndarray)  # a proven table's subclass makes every numpy call slower
+    bits = int(np.bitwise_or.reduce(table.reshape(-1)))
+    block = bits & -bits
     counts = table[:, 2] // block
     first_src, first_dst = table[:, 0] // block, table[:, 1] // block
     if int(counts.max()) == 1:
-        return first_src.astype(np.int32), first_dst.astype(np.int32)
+        return block, first_src.astype(np.int32), first_dst.astype(np.int32)
     starts = np.cumsum(counts) - counts
     step = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
-    return ((np.repeat(first_src, counts) + step).astype(np.int32),
+    return (block, (np.repeat(first_src, counts) + step).astype(np.int32),
             (np.repeat(first_dst, counts) + step).astype(np.int32))
-
-
-def granule(table: np.ndarray) -> int:
-    """The largest power of two dividing every offset and length of `table` (its block size)."""
-    bits = int(np.bitwise_or.reduce(table.reshape(-1)))
-    return bits & -bits

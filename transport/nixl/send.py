@@ -9,8 +9,8 @@ address comes from this table, so an edited descriptor cannot aim NIXL at
 memory the peer never announced.
 
 A write is one NIXL transfer: `plan` turns the checked table into block
-indices at its granule (`requests.block_indices`: array arithmetic, off the
-lock) — or, when the granule would cut a region into more than `MAX_BLOCKS`
+indices at its granule (`requests.blocks`: plain ints for a request's few
+rows, array arithmetic beyond; off the lock) — or, when the granule would cut a region into more than `MAX_BLOCKS`
 blocks, into both descriptor lists — and `submit` hands it to the progress
 thread's queue (`requests.Requests`), which makes the NIXL calls against
 the lists prepared once per region and granule. The handle completes when
@@ -41,7 +41,7 @@ from ..link import LinkContext, Remote
 from ..posting import Post
 from ..regions import Region
 from .agent import MAX_BLOCKS, Initiator
-from .requests import Requests, Write, block_indices, granule
+from .requests import Requests, Write, blocks
 from .wire import Hello, Regions, gpu_of, ints, mem_type, pack_note
 
 _keys = itertools.count(1)  # what a link's prepared lists are filed under (never reused)
@@ -77,9 +77,10 @@ class NixlLink(ControlledLink):
         if not table.shape[0]:
             return None
         table = coalesce_posted(table)
-        block = granule(table)
+        planned = blocks(table)
+        block = planned[0]
         if src.length // block <= MAX_BLOCKS and dst.length // block <= MAX_BLOCKS:
-            return (block, *block_indices(table, block))
+            return planned
         base, dst_gpu = dst.info
         return (descs(src.start, table, 0, gpu_of(src)), descs(base, table, 1, dst_gpu))
 
