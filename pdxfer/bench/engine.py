@@ -228,10 +228,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated transports (default: all available)")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: the decode side in a child process, as deployed (default 1)")
+    parser.add_argument("--layouts", default=None,
+                        help=f"comma-separated kv layouts (default: all of {', '.join(KINDS)})")
     parser.add_argument("--tiny", action="store_true",
                         help="6 requests, 3 in flight, loopback and tcp unless --backends says: a smoke run")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
+    kinds = KINDS if args.layouts is None else tuple(args.layouts.split(","))
+    if not kinds or set(kinds) - set(KINDS):
+        parser.error(f"--layouts {args.layouts}: choose from {', '.join(KINDS)}")
     entries = TINY_ENTRIES if args.tiny else ENTRIES
     if args.tiny:
         args.requests, args.batch = 6, 3
@@ -246,12 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True),
                        br.terminal_width(args.width), keys=2)
-    progress = br.Progress(len(backends) * len(KINDS), "configurations")
+    progress = br.Progress(len(backends) * len(kinds), "configurations")
     rows = []
     for backend in backends:
         decode = _decode_side(backend, args.processes)  # one child per backend, reset in between
         try:
-            for kind in KINDS:
+            for kind in kinds:
                 row, wrs = _configuration(backend, kind, reqs, args.batch, decode, entries, report)
                 rows.append(row)
                 emit({"backend": backend, "kv layout": kind, "segments": f"{row['segments']:.0f}",
