@@ -5,8 +5,10 @@ per decode would measure process start-up, not pdxfer, so a child process
 holds a *fleet* of real `DecodeEngine`s (each its own transport engine,
 progress thread and pools), driven over the same msgpack pipe as the other
 bench children (`peer.serve`): `open` adds engines, `expect` announces a
-batch of requests, `release` forgets finished ones, `usage` reports the
-process's resident memory and threads.
+batch of requests, `settle` waits for and releases them, `usage` reports
+the process's resident memory and threads. For the fan-in half (one
+receiving transport engine, many senders) `senders` adds bare transport
+engines that each connect to the receiver and write once.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from ..config import EngineConfig, KVPoll
 from . import procstat
 
-OPS = ("open", "expect", "settle", "usage", "reset")
+OPS = ("open", "expect", "settle", "senders", "usage", "reset")
 
 
 class DecodeFleet:
@@ -30,6 +32,7 @@ class DecodeFleet:
         self.engines: list[Any] = []
         self.pools: list[Any] = []
         self.rids: list[list[str]] = []
+        self.bare: list[Any] = []
 
     def open(self, backend: str, count: int, entries: int, options: dict[str, Any],
              timeout: float) -> int:
@@ -65,6 +68,27 @@ class DecodeFleet:
             rids.clear()
         return n
 
+    def senders(self, backend: str, count: int, address: dict[str, Any], descriptor: dict[str, Any],
+                options: dict[str, Any], first: int) -> None:
+        """Add `count` transport engines that each connect to `address` and write 4 KiB once, with a notify.
+
+        Sender `first + i` writes its own 4 KiB slot of the receiver's region,
+        notify payload its number; returns once every write completed.
+        """
+        import torch
+
+        from pdxfer import transport
+
+        handles = []
+        for i in range(first, first + count):
+            eng = transport.create(backend, **options)
+            self.bare.append(eng)
+            src = eng.register(torch.full((4096,), i % 251, dtype=torch.uint8))
+            table = np.array([[0, i * 4096, 4096]], dtype=np.int64)
+            handles.append(eng.connect(address).write(src, descriptor, table, notify=b"%d" % i))
+        for h in handles:
+            h.wait(60.0)
+
     def usage(self) -> dict[str, int]:
         """This process's resident memory and threads (`procstat`)."""
         return procstat.usage()
@@ -74,8 +98,9 @@ class DecodeFleet:
         self.close()
 
     def close(self) -> None:
-        for engine in self.engines:
+        for engine in self.bare + self.engines:
             engine.close()
+        self.bare.clear()
         self.engines.clear()
         self.pools.clear()
         self.rids.clear()

@@ -12,6 +12,11 @@ its decodes never share a GIL). Per backend, the decodes grow through
   count (`procstat`), and the prefill's `usage()` — bounce bytes (tcp:
   what is pinned once CUDA memory is registered), device scratch,
   NIXL registrations and prepared descriptors;
+- **fan-in**: the mirror, at the transport: one receiving transport engine
+  here with a 64 MiB region (a pool) registered, and as many sending
+  engines in the children, each connected and having written once — what a
+  decode heard from by that many prefills holds (nixl: an agent and a
+  registration per inbound link when it can fence, one for all when not);
 - **throughput and latency** (peer counts up to `--max-throughput-peers`,
   64): for each `--inflight` (1, 16, 256, 1024), requests round-robin over
   the peers with that many in flight: requests/s from the first `send()` to
@@ -61,8 +66,9 @@ MAX_THROUGHPUT_PEERS = 64
 TIMEOUT = 120.0  # every engine's liveness and per-request wait: a loaded machine is slow, not dead
 
 COLUMNS = ["backend", "peers", "in flight", "requests", "req/s", "p50 us", "p99 us"]
-MEMORY_COLUMNS = ["backend", "peers", "rss MiB", "threads", "threads/peer", "bounce MiB",
-                  "scratch MiB", "registrations", "prepared descs"]
+MEMORY_COLUMNS = ["backend", "side", "peers", "rss MiB", "rss KiB/peer", "threads", "threads/peer",
+                  "bounce MiB", "scratch MiB", "registrations", "prepared descs"]
+FAN_IN_REGION = 64 << 20
 
 
 def pool(entries: int) -> layout.EntryMajorArena:
@@ -105,6 +111,15 @@ class Fleets:
             c, e = self.where[decode]
             batches[c].append([e, rid, first, PAGES])
         self._all("expect", [dict(addr=addr, batch=b) for b in batches])
+
+    def senders(self, backend: str, first: int, count: int, address: dict[str, Any],
+                descriptor: dict[str, Any], options: dict[str, Any]) -> None:
+        """Add senders `first .. first+count-1`, spread over the children; each writes once."""
+        k = len(self.children)
+        share = [count // k + (1 if c < count % k else 0) for c in range(k)]
+        starts = [first + sum(share[:c]) for c in range(k)]
+        self._all("senders", [dict(backend=backend, count=n, address=address, descriptor=descriptor,
+                                   options=options, first=f) for n, f in zip(share, starts, strict=True)])
 
     def settle(self) -> None:
         """Wait for every announced request and release it, on every child."""
@@ -180,19 +195,23 @@ def _point(prefill: Any, fleets: Fleets, peers: int, inflight: int, n: int, tag:
     return seconds, lat
 
 
-def _memory_row(backend: str, peers: int, prefill: Any, base_threads: int) -> dict[str, Any]:
-    use, mine = prefill.usage(), procstat.usage()
-    return {"backend": backend, "peers": peers, "rss": mine["rss"], "threads": mine["threads"],
+def _memory_row(backend: str, side: str, peers: int, engine: Any, base_threads: int) -> dict[str, Any]:
+    use, mine = engine.usage(), procstat.usage()
+    return {"backend": backend, "side": side, "peers": peers, "rss": mine["rss"],
+            "threads": mine["threads"],
             "base_threads": base_threads,
             "bounce": use.get("bounce_bytes", 0), "scratch": use.get("device_scratch_bytes", 0),
             "registrations": use.get("registrations", ""), "prepared": use.get("prepared_descriptors", ""),
             "links": use.get("links_out", 0)}
 
 
-def _fmt_memory(row: dict[str, Any]) -> dict[str, str]:
+def _fmt_memory(row: dict[str, Any], first: dict[str, Any]) -> dict[str, str]:
+    """One printed memory row; `first` is the same side's row at the fewest peers."""
     per = (row["threads"] - row["base_threads"]) / row["peers"]
-    return {"backend": row["backend"], "peers": str(row["peers"]),
-            "rss MiB": f"{row['rss'] / 2**20:.0f}", "threads": str(row["threads"]),
+    grown = (f"{(row['rss'] - first['rss']) / 1024 / (row['peers'] - first['peers']):.0f}"
+             if row["peers"] > first["peers"] else "")
+    return {"backend": row["backend"], "side": row["side"], "peers": str(row["peers"]),
+            "rss MiB": f"{row['rss'] / 2**20:.0f}", "rss KiB/peer": grown, "threads": str(row["threads"]),
             "threads/peer": f"{per:.2f}", "bounce MiB": f"{row['bounce'] / 2**20:.1f}",
             "scratch MiB": f"{row['scratch'] / 2**20:.0f}", "registrations": str(row["registrations"]),
             "prepared descs": str(row["prepared"])}
@@ -217,7 +236,7 @@ def run_backend(backend: str, fleets: Fleets, peer_counts: list[int], inflights:
             # warm: one request to every new decode opens its data connection
             _point(prefill, fleets, peers, peers, peers, f"{backend}-{peers}-warm", rng)
             opened = peers
-            row = _memory_row(backend, peers, prefill, base_threads)
+            row = _memory_row(backend, "prefill: out", peers, prefill, base_threads)
             memory.append(row)
             report.sample(kind="memory", **row)
             if peers > max_tp:
@@ -239,6 +258,33 @@ def run_backend(backend: str, fleets: Fleets, peer_counts: list[int], inflights:
         fleets.reset()
 
 
+def fan_in(backend: str, fleets: Fleets, peer_counts: list[int], report: br.Report,
+           memory: list[dict[str, Any]]) -> None:
+    """One receiving transport engine here, senders in the children: its usage at each count."""
+    from pdxfer import transport
+
+    options: dict[str, Any] = {"force_bounce": True} if backend == "tcp" else {}
+    base_threads = procstat.usage()["threads"]
+    rx = transport.create(backend, **options)
+    got = threading.Semaphore(0)
+    try:
+        region = rx.register(torch.zeros(max(FAN_IN_REGION, 4096 * max(peer_counts)), dtype=torch.uint8))
+        rx.set_notify_handler(lambda sender, payload: got.release())
+        added = 0
+        for peers in peer_counts:
+            fleets.senders(backend, added, peers - added, rx.address(), region.descriptor(), options)
+            for _ in range(peers - added):
+                if not got.acquire(timeout=TIMEOUT):
+                    raise SystemExit(f"bench peers: fan-in to {peers} {backend} senders: a notify is missing")
+            added = peers
+            row = _memory_row(backend, "transport: in", peers, rx, base_threads)
+            memory.append(row)
+            report.sample(kind="memory", **row)
+    finally:
+        rx.close()
+        fleets.reset()
+
+
 def legend(options: str) -> dict[str, str]:
     """What each printed column means."""
     return {
@@ -249,7 +295,11 @@ def legend(options: str) -> dict[str, str]:
         "req/s": "requests from the first send() to the last Success, per second (wall clock)",
         "p50 us": "median of send() -> the prefill seeing Success (decode's Done), observed in send order",
         "p99 us": "99th percentile of the same",
-        "rss MiB": "this (the prefill's) process's resident memory once every peer has its data connection",
+        "side": ("prefill: out = the PrefillEngine here linked to that many decodes; transport: in = "
+                 "one receiving transport engine here (64 MiB registered) written to by that many "
+                 "sending engines"),
+        "rss MiB": "this process's resident memory once every peer has its connection (and wrote / was written)",
+        "rss KiB/peer": "resident memory grown per peer since the fewest peers of the same side",
         "threads": "this process's kernel threads then (UCX's, torch's and ours)",
         "threads/peer": "(threads - threads before the prefill existed) / peers",
         "bounce MiB": "tcp bounce pool bytes (pinned once CUDA memory is registered; forced here)",
@@ -273,14 +323,17 @@ def plot(results: list[dict[str, Any]], memory: list[dict[str, Any]], path: Any,
                 axes[0].plot(xs, [r["req_s"] for r in mine], marker="o", label=f"{b}, {f} in flight")
                 axes[1].plot(xs, [r["p99_us"] / 1000 for r in mine], marker="o",
                              label=f"{b}, {f} in flight")
-            mem = sorted((r for r in memory if r["backend"] == b), key=lambda r: r["peers"])
-            xs = [r["peers"] for r in mem]
-            axes[2].plot(xs, [r["rss"] / 2**20 for r in mem], marker="s", ls="--", label=f"{b} memory")
-            axes[3].plot(xs, [r["threads"] for r in mem], marker="s", ls="--", label=f"{b} threads")
-            axes[4].plot(xs, [r["bounce"] / 2**20 for r in mem], marker="s", ls=":",
-                         label=f"{b} bounce (pinned with CUDA)")
-        for ax, title in zip(axes, ("requests/s", "p99 latency (ms)", "prefill RSS (MiB)",
-                                    "prefill threads", "prefill bounce pool (MiB)"), strict=True):
+            for side, style in (("prefill: out", "--"), ("transport: in", ":")):
+                mem = sorted((r for r in memory if r["backend"] == b and r["side"] == side),
+                             key=lambda r: r["peers"])
+                xs = [r["peers"] for r in mem]
+                label = f"{b}, {side}"
+                axes[2].plot(xs, [r["rss"] / 2**20 for r in mem], marker="s", ls=style, label=label)
+                axes[3].plot(xs, [r["threads"] for r in mem], marker="s", ls=style, label=label)
+                axes[4].plot(xs, [r["bounce"] / 2**20 for r in mem], marker="s", ls=style, label=label)
+        for ax, title in zip(axes, ("requests/s", "p99 latency (ms)", "process RSS (MiB)",
+                                    "process threads", "bounce pool, pinned with CUDA (MiB)"),
+                             strict=True):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("decode peers")
             ax.set_title(title, fontsize=9)
@@ -299,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inflight", default=None, help=f"requests in flight (default {INFLIGHT})")
     parser.add_argument("--requests", type=bounded_int(1), default=None,
                         help="requests per point (default 4 x in flight, 256..4096)")
-    parser.add_argument("--max-throughput-peers", type=bounded_int(1), default=MAX_THROUGHPUT_PEERS,
+    parser.add_argument("--max-throughput-peers", type=bounded_int(0), default=MAX_THROUGHPUT_PEERS,
                         help="peer counts above this get the memory row only")
     parser.add_argument("--processes", type=bounded_int(2, 64), default=None,
                         help="this process plus the children holding the decodes (default 3; --tiny 2)")
@@ -324,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
           f"child process(es); {PAGES} x 16 KiB pages per request")
     print(br.machine_line())
     out = lambda line: print(line, flush=True)  # noqa: E731
-    table = br.markdown(COLUMNS, out, br.terminal_width(args.width))
+    table = br.markdown(COLUMNS, out, br.terminal_width(args.width), keys=2)
     memory: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     fleets = Fleets(args.processes - 1)
@@ -333,14 +386,17 @@ def main(argv: list[str] | None = None) -> int:
         for backend in backends:
             run_backend(backend, fleets, peer_counts, inflights, requests, args.max_throughput_peers,
                         report, table, memory, results)
+            fan_in(backend, fleets, peer_counts, report, memory)
             progress.step(backend)
     finally:
         fleets.close()
     table.close()
     out("")
-    mtable = br.markdown(MEMORY_COLUMNS, out, br.terminal_width(args.width))
-    for row in memory:
-        mtable(_fmt_memory(row))
+    mtable = br.markdown(MEMORY_COLUMNS, out, br.terminal_width(args.width), keys=3)
+    ordered = sorted(memory, key=lambda r: (backends.index(r["backend"]), r["side"], r["peers"]))
+    for row in ordered:
+        mtable(_fmt_memory(row, next(r for r in ordered
+                                     if (r["backend"], r["side"]) == (row["backend"], row["side"]))))
     mtable.close()
     meanings = legend("tcp: force_bounce, so its bounce pool is what a GPU host pins")
     report.finish(meanings, COLUMNS + MEMORY_COLUMNS[2:], results, out)

@@ -344,9 +344,10 @@ def test_bench_peers_tiny_reports_throughput_memory_and_threads(tmp_path: Path,
     data = json.loads(path.read_text())
     memory = [s for s in data["samples"] if s["kind"] == "memory"]
     points = [s for s in data["samples"] if s["kind"] == "throughput"]
-    assert [m["peers"] for m in memory] == [1, 2]
+    assert [(m["side"], m["peers"]) for m in memory] == [("prefill: out", 1), ("prefill: out", 2),
+                                                          ("transport: in", 1), ("transport: in", 2)]
     assert [(p["peers"], p["inflight"]) for p in points] == [(1, 1), (1, 4), (2, 1), (2, 4)]
     assert all(len(p["latency_us"]) == 8 and p["req_s"] > 0 for p in points)
     # the bench forces tcp's bounce path: its pool is what a GPU host would pin, 2 streams a peer
-    assert [m["bounce"] for m in memory] == [2 * (8 << 20), 4 * (8 << 20)]
+    assert [m["bounce"] for m in memory] == [k * (8 << 20) for k in (2, 4, 2, 4)]
     assert all(m["threads"] > m["base_threads"] for m in memory)
