@@ -17,7 +17,7 @@ TRANSPORT = [
 LAYOUT = [
     "EntryField", "EntryMajorArena", "FORMAT_VERSION", "LayerMajorArena", "LayoutError",
     "PageMajorMHAArena", "PageMajorMambaArena", "PdxferError", "PerLayerArena", "RankPair",
-    "ShardGeometry", "ShardMajorArena", "SplitEntryMajorArena", "arena_buffers",
+    "ShardGeometry", "ShardMajorArena", "SplitEntryMajorArena", "adopt_ranges", "arena_buffers",
     "build_page_major_mamba_views", "build_page_major_mha_views", "carve", "carve_layer_major",
     "check_indices", "checkpoint_ranges_for", "coalesce", "contributing_ranks", "describe",
     "describe_diff", "entry_bytes_for", "field_extents", "fingerprint", "is_split_pair",
