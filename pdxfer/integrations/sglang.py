@@ -306,9 +306,10 @@ class PdxferKVManager(BaseKVManager):
     def close(self) -> None:
         """Close the engine and the registry worker; idempotent."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.engine.close() if hasattr(self, "engine") else None
+        self.engine.close()
 
     def teardown(self) -> None:
+        """SGLang's role-switch hook: release the transfer resources (the pools stay SGLang's)."""
         self.close()
 
 
@@ -338,8 +339,8 @@ class _Request:
         if state is not None and state.finished:
             try:
                 self.outcome = engine.release(self.rid)
-            except UnknownRequestError:  # released by a sibling poll: the engine's last word stands
-                self.outcome = RequestOutcome(state, engine.failure_reason(self.rid), None, None)
+            except UnknownRequestError:  # released in between by another caller: keep the state
+                self.outcome = RequestOutcome(state, None, None, None)
             return self.outcome.state
         return engine_poll(state)
 

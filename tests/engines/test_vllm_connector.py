@@ -286,8 +286,8 @@ def test_a_hybrid_model_ships_attention_blocks_and_the_mamba_state(model_dir) ->
         dreq = request("d3", 40, dict(params), 4)
         D.sched.add_request(dreq)
         D.step()
-        got_blocks = D.sched.connector  # the decode's blocks, clipped the same way
-        d_blocks = got_blocks._transfer_blocks(D.sched.kv_cache_manager.get_block_ids("d3"))
+        # the decode's blocks, clipped as its connector clips them for the Expect
+        d_blocks = D.sched.connector._transfer_blocks(D.sched.kv_cache_manager.get_block_ids("d3"))
 
         def running() -> bool:
             P.step()
