@@ -418,5 +418,7 @@ def register() -> None:
     _require_vllm()
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if NAME not in KVConnectorFactory._registry:  # vLLM loads plugins once per process, but may re-run
+    try:
         KVConnectorFactory.register_connector(NAME, __name__, NAME)
+    except ValueError:  # "already registered": plugins loaded a second time in this process
+        pass
