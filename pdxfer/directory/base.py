@@ -245,8 +245,9 @@ class PeerDirectory(ABC):
                 if layouts:
                     self._layouts.update(layouts)
                 subscribers = list(self._subscribers)
-                self._cond.notify_all()
             self._deliver(events, subscribers)
+            with self._cond:  # after delivery: a waiter also sees what subscribers did
+                self._cond.notify_all()
 
     def _resync(self, model: str, role: str, snapshot: Mapping[Slot, PeerRecord],
                 layouts: Mapping[str, dict] | None = None) -> None:
@@ -278,3 +279,13 @@ class PeerDirectory(ABC):
 def check_cluster(cluster: str) -> str:
     """A cluster id (the namespace every key lives under), checked."""
     return check_name("cluster", cluster)
+
+
+def check_record(slot: Slot, record: PeerRecord) -> None:
+    """`record` is a PeerRecord for `slot`, whose rank lies inside its own sizes; or `DirectoryError`."""
+    if not isinstance(record, PeerRecord) or record.slot != slot:
+        raise DirectoryError(f"register({slot.path()}): the record must be a PeerRecord for that "
+                             f"slot, got {record!r:.200}")
+    if slot.tp >= record.tp_size or slot.dp >= record.dp_size:
+        raise DirectoryError(f"register({slot.path()}): rank outside the record's sizes "
+                             f"(tp_size {record.tp_size}, dp_size {record.dp_size})")

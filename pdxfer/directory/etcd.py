@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from .base import DirectoryHealth, PeerDirectory, check_cluster, claim
+from .base import DirectoryHealth, PeerDirectory, check_cluster, check_record, claim
 from .errors import DirectoryError, DirectoryUnavailable, RecordError
 from .etcd_client import EtcdClient, WatchStream, event_key, event_value
 from .records import PeerRecord, Slot, check_name, decode_layout, encode_layout
@@ -107,9 +107,7 @@ class EtcdDirectory(PeerDirectory):
     def register(self, slot: Slot, record: PeerRecord, layouts: Mapping[str, dict] | None = None,
                  *, takeover: bool = False) -> None:
         self._check_open()
-        if not isinstance(record, PeerRecord) or record.slot != slot:
-            raise DirectoryError(f"register({slot.path()}): the record must be a PeerRecord for "
-                                 f"that slot, got {record!r:.200}")
+        check_record(slot, record)
         value = record.encode()
         key = self.root + slot.path()
         with self._reg_lock:

@@ -43,6 +43,7 @@ from .errors import DirectoryError, DirectoryUnavailable
 # events. Past it the stream is refused (the directory re-lists) instead of buffered.
 MAX_MESSAGE = 16 << 20
 _PAGE = 1000  # keys per range page
+_STALE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
 
 
 def _b64(data: bytes | str) -> str:
@@ -118,19 +119,24 @@ class EtcdClient:
         errors = []
         for i in range(len(self.endpoints)):
             host, port = self._endpoint(i)
-            conn = self._conn(host, port)
-            try:
-                conn.request("POST", f"/v3/{path}", payload, {"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                data = resp.read(MAX_MESSAGE + 1)
-            except (OSError, http.client.HTTPException) as exc:
-                self._drop(conn)
-                errors.append(f"{host}:{port}: {exc or type(exc).__name__}")
-                if isinstance(exc, ConnectionRefusedError):
-                    continue  # never sent: the next member may answer
-                break  # it may have been applied: the caller decides whether to repeat it
-            self._current = (self._current + i) % len(self.endpoints)
-            return self._answer(host, port, path, resp.status, data)
+            for fresh in (False, True):
+                conn, reused = self._conn(host, port)
+                try:
+                    conn.request("POST", f"/v3/{path}", payload, {"Content-Type": "application/json"})
+                    resp = conn.getresponse()
+                    data = resp.read(MAX_MESSAGE + 1)
+                except (OSError, http.client.HTTPException) as exc:
+                    self._drop(conn)
+                    # A kept-alive connection the server closed (idle, or a restart) fails
+                    # its next request before the server read it: once more, on a new one.
+                    if reused and not fresh and isinstance(exc, _STALE):
+                        continue
+                    errors.append(f"{host}:{port}: {exc or type(exc).__name__}")
+                    if isinstance(exc, ConnectionRefusedError):
+                        break  # never sent: the next member may answer
+                    raise DirectoryUnavailable(f"etcd {path} failed: {'; '.join(errors)}") from exc
+                self._current = (self._current + i) % len(self.endpoints)
+                return self._answer(host, port, path, resp.status, data)
         raise DirectoryUnavailable(f"etcd {path} failed: {'; '.join(errors)}")
 
     @staticmethod
@@ -147,15 +153,17 @@ class EtcdClient:
             raise DirectoryUnavailable(f"etcd {host}:{port} {path} answered {status}: {message}")
         return answer
 
-    def _conn(self, host: str, port: int) -> http.client.HTTPConnection:
+    def _conn(self, host: str, port: int) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to (host, port), and whether it was used before."""
         conns = self._local.__dict__.setdefault("conns", {})
         conn = conns.get((host, port))
-        if conn is None:
-            conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
-            conns[(host, port)] = conn
-            with self._lock:
-                self._conns.add(conn)
-        return conn
+        if conn is not None:
+            return conn, True
+        conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
+        conns[(host, port)] = conn
+        with self._lock:
+            self._conns.add(conn)
+        return conn, False
 
     def _drop(self, conn: http.client.HTTPConnection) -> None:
         conn.close()

@@ -78,6 +78,7 @@ class EtcdServer:
         self.binary = binary
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="pdxfer-etcd-")
+        os.makedirs(self.data_dir, exist_ok=True)
         self.log_path = log_path or os.path.join(self.data_dir, "etcd.log")
         self.extra = extra
         self.proc: subprocess.Popen | None = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 
-from .base import DirectoryHealth, PeerDirectory, claim
+from .base import DirectoryHealth, PeerDirectory, check_record, claim
 from .errors import DirectoryError
 from .records import PeerRecord, Slot
 
@@ -87,7 +87,7 @@ class LocalDirectory(PeerDirectory):
     def register(self, slot: Slot, record: PeerRecord, layouts: Mapping[str, dict] | None = None,
                  *, takeover: bool = False) -> None:
         self._check_open()
-        _check_record(slot, record)
+        check_record(slot, record)
         with self.hub._lock:
             held = self.hub._held(slot)
             claim(slot, None if held is None else held[0], record, takeover)
@@ -116,7 +116,7 @@ class StaticDirectory(LocalDirectory):
         table = {slot: PeerRecord(slot, rec, None) if isinstance(rec, str) else rec
                  for slot, rec in (records or {}).items()}
         for slot, record in table.items():
-            _check_record(slot, record)
+            check_record(slot, record)
         self.hub._set(list(table.items()), self)
 
     @classmethod
@@ -133,12 +133,3 @@ class StaticDirectory(LocalDirectory):
                 slot = Slot(model, role, instance, 0, tp)
                 table[slot] = PeerRecord(slot, addr, None, tp_size=len(addrs))
         return cls(table)
-
-
-def _check_record(slot: Slot, record: PeerRecord) -> None:
-    if not isinstance(record, PeerRecord) or record.slot != slot:
-        raise DirectoryError(f"register({slot.path()}): the record must be a PeerRecord for that "
-                             f"slot, got {record!r:.200}")
-    if slot.tp >= record.tp_size or slot.dp >= record.dp_size:
-        raise DirectoryError(f"register({slot.path()}): rank outside the record's sizes "
-                             f"(tp_size {record.tp_size}, dp_size {record.dp_size})")
