@@ -167,6 +167,8 @@ class DecodeEngine(Engine):
         if self._closed or req.life.finished:
             return
         session = self._sessions.get(req.peer)
+        if session is not None and (session.link is None or session.link.closed):
+            session = None  # closed, its loss not yet handled: never join it; dial afresh
         if session is not None and session.engine is not None:
             if not self._incarnation(req, session, session.engine, welcome=False):
                 return  # failed, re-resolved elsewhere, or waiting for the old link's cut
@@ -296,9 +298,9 @@ class DecodeEngine(Engine):
             return self._rebind(req, fresh, session, requeue=True)
         if not welcome and fresh is not None and fresh.engine == want and session.link is not None:
             # The directory confirms the newer incarnation: the ready link is the old one.
-            session.link.close(f"prefill at {session.addr} was engine {actual}; the directory now "
+            self._cut(session, f"prefill at {session.addr} was engine {actual}; the directory now "
                                f"names {want} there: dropping the old incarnation's link")
-            self._progress.call(self._start, req)  # after the cut's own handling, queued first
+            self._start(req)  # dials afresh: the old session is gone
             return False
         why = (f"prefill at {session.addr} answers as engine {actual}, but the record for "
                f"{req.record.slot.path() if req.record.slot else session.addr} names {want}"
@@ -343,8 +345,19 @@ class DecodeEngine(Engine):
                 continue
             if session.engine == old.engine or (session.engine is None
                                                 and session.expected == old.engine):
-                session.link.close(f"prefill {old.engine} at {session.addr} was replaced by "
+                self._cut(session, f"prefill {old.engine} at {session.addr} was replaced by "
                                    f"{new.engine} at {new.address} (directory)")
+
+    def _cut(self, session: PrefillPeer, why: str) -> None:
+        """Close `session`'s link and fail (fence) its requests now, not at the loop's next turn.
+
+        Now, so that whatever is queued behind — a request to the new
+        incarnation — dials only after the old one's requests are failed and
+        fenced. The close's own queued `_link_lost` then finds nothing left.
+        """
+        assert session.link is not None
+        session.link.close(why)
+        self._link_lost(session.link, why)
 
     def _link_lost(self, link: Link, reason: str) -> None:
         session: PrefillPeer = link.owner
