@@ -9,6 +9,7 @@ cost milliseconds.
 from __future__ import annotations
 
 import socket
+import threading
 
 import numpy as np
 import pytest
@@ -115,8 +116,15 @@ def test_a_replaced_prefill_is_cut_before_its_successor_is_dialed(hub_pair, back
 
         decode._dial = spy
         successor, _ = engine_record(SLOT, new, src)
+        # Hold the decode's loop so the replacement and the next request queue up together:
+        # the order inside one turn of the loop is what is checked, not a race.
+        gate = threading.Event()
+        decode._progress.call(gate.wait, WAIT)
         prefill_dir.register(SLOT, successor, takeover=True)  # "replaced" (another address)
-        _transfer(decode, new, "r2", view.resolve(SLOT), [2], [2])
+        decode.expect("r2", view.resolve(SLOT), {"kv": [2], "state": [0]})
+        gate.set()
+        new.send("r2", {"kv": [2], "state": [0]})
+        assert decode.wait("r2", WAIT) is KVPoll.Success
         assert at_dial == [(new.bootstrap_address, KVPoll.Failed)]
         assert isinstance(decode.failure_cause("r1"), PeerLostError)
         assert "was replaced by" in decode.failure_reason("r1")
