@@ -105,6 +105,9 @@ class PeerDirectory(ABC):
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._records: dict[Slot, PeerRecord] = {}
+        # (model, role) -> instance -> dp -> tp -> record: `group` and `instances`
+        # read this, so a router's per-request pick costs its instances, not every record.
+        self._index: dict[tuple[str, str], dict[str, dict[int, dict[int, PeerRecord]]]] = {}
         self._layouts: dict[str, dict] = {}
         self._subscribers: list[Subscriber] = []
         self._notify_lock = threading.Lock()  # one delivery at a time keeps event order
@@ -141,7 +144,8 @@ class PeerDirectory(ABC):
     def peers(self, model: str, role: str) -> dict[Slot, PeerRecord]:
         """Every record of (model, role) this directory follows, by slot."""
         with self._cond:
-            return {s: r for s, r in self._records.items() if s.model == model and s.role == role}
+            return {r.slot: r for dps in self._index.get((model, role), {}).values()  # type: ignore[misc]
+                    for tps in dps.values() for r in tps.values()}
 
     def group(self, model: str, role: str, instance: str, dp: int = 0) -> list[PeerRecord] | None:
         """The TP group of (model, role, instance, dp) in rank order, or None while incomplete.
@@ -153,8 +157,7 @@ class PeerDirectory(ABC):
             return self._group(model, role, instance, dp)
 
     def _group(self, model: str, role: str, instance: str, dp: int) -> list[PeerRecord] | None:
-        ranks = {s.tp: r for s, r in self._records.items()
-                 if (s.model, s.role, s.instance, s.dp) == (model, role, instance, dp)}
+        ranks = self._index.get((model, role), {}).get(instance, {}).get(dp)
         if not ranks:
             return None
         sizes = {(r.tp_size, r.dp_size) for r in ranks.values()}
@@ -168,7 +171,7 @@ class PeerDirectory(ABC):
     def instances(self, model: str, role: str) -> list[str]:
         """Instances of (model, role) whose every DP group is complete, sorted: what a router picks from."""
         with self._cond:
-            names = sorted({s.instance for s in self._records if (s.model, s.role) == (model, role)})
+            names = sorted(self._index.get((model, role), {}))
             out = []
             for name in names:
                 first = self._group(model, role, name, 0)
@@ -235,10 +238,7 @@ class PeerDirectory(ABC):
                 events = []
                 for slot, record in changes:
                     old = self._records.get(slot)
-                    if record is None:
-                        self._records.pop(slot, None)
-                    else:
-                        self._records[slot] = record
+                    self._set(slot, record)
                     event = event_for(slot, old, record)
                     if event is not None:
                         events.append(event)
@@ -249,11 +249,26 @@ class PeerDirectory(ABC):
             with self._cond:  # after delivery: a waiter also sees what subscribers did
                 self._cond.notify_all()
 
+    def _set(self, slot: Slot, record: PeerRecord | None) -> None:
+        """One slot of the view and its index (lock held)."""
+        instances = self._index.setdefault((slot.model, slot.role), {})
+        if record is None:
+            self._records.pop(slot, None)
+            dps = instances.get(slot.instance, {})
+            dps.get(slot.dp, {}).pop(slot.tp, None)
+            if not dps.get(slot.dp, True):
+                del dps[slot.dp]
+            if not dps:
+                instances.pop(slot.instance, None)
+            return
+        self._records[slot] = record
+        instances.setdefault(slot.instance, {}).setdefault(slot.dp, {})[slot.tp] = record
+
     def _resync(self, model: str, role: str, snapshot: Mapping[Slot, PeerRecord],
                 layouts: Mapping[str, dict] | None = None) -> None:
         """Replace the view of (model, role) by a full listing: missing slots go "down"."""
         with self._cond:
-            gone = [s for s in self._records if (s.model, s.role) == (model, role) and s not in snapshot]
+            gone = [s for s in self.peers(model, role) if s not in snapshot]
         self._apply([*((s, None) for s in gone), *snapshot.items()], layouts)
 
     @staticmethod
