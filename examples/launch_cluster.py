@@ -206,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     etcd = None
     handles: list[WorkerHandle] = []
     directory = None
+    quiet = None
     started = time.monotonic()
     try:
         url = args.directory
@@ -220,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
             url = f"etcd://127.0.0.1:{etcd.client_port}/example-{uuid.uuid4().hex[:8]}"
             print(f"  etcd pid {etcd.pid} at {etcd.url}; directory {url}", flush=True)
         directory = open_directory(url, ttl=args.ttl, follow=((name, "prefill"),))
-        directory.subscribe(lambda e: print(
+        quiet = directory.subscribe(lambda e: print(
             f"  directory: {e.kind} {e.slot.instance} "
             f"({(e.record or e.old).engine} at {(e.record or e.old).address})", flush=True))
         prefills, decodes = start_workers(args, url, sizes, handles)
@@ -253,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted: stopping the workers", file=sys.stderr)
         return 130
     finally:
+        if quiet is not None:
+            quiet()  # the workers' own shutdowns are not news
         for h in reversed(handles):
             h.stop()
         if directory is not None:
