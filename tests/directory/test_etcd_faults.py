@@ -105,14 +105,15 @@ def test_kill_and_restart_in_the_same_slot_reaches_the_new_incarnation(etcd_url,
     decode, view = decode_and_view
     seen: list = []
     view.subscribe(seen.append)
-    # TTL 5: the restart registers before the old lease expires, so it is a "replaced"
-    first = DirPrefill(etcd_url, cluster, ttl=5)
+    # TTL 30: the restart registers before the old lease expires, so it is a "replaced" (a
+    # spawn outlasting the TTL would be down + up), however slow a loaded machine starts it
+    first = DirPrefill(etcd_url, cluster, ttl=30)
     second = None
     try:
         assert view.wait_for(lambda: view.resolve(SLOT) is not None, WAIT)
         transfer(decode, first, "r1", view.resolve(SLOT), range(8))
         first.kill()
-        second = DirPrefill(etcd_url, cluster, ttl=5, port=first.port)  # same slot, same port
+        second = DirPrefill(etcd_url, cluster, ttl=30, port=first.port)  # same slot, same port
         assert view.wait_for(lambda: len(seen) == 2, WAIT)
         assert kinds(seen) == [("up", first.engine), ("replaced", second.engine)]
         assert seen[1].old.engine == first.engine
