@@ -44,7 +44,7 @@ from pdxfer.directory.etcd_server import EtcdServer, find_etcd
 
 from .caches import PoolSizes, decode_counts
 from .cluster import model_name
-from .launch_pd import HEADER, Outcome, row, summary
+from .launch_pd import HEADER, Outcome, finish, row, summary
 from .launching import WorkerHandle, WorkerStartError, spawn_worker
 from .model import HybridModel, ModelConfig, deterministic_torch
 from .reference import reference_generate
@@ -241,12 +241,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"p0 {'is down' if gone else 'is STILL listed'} "
                   f"{time.monotonic() - router.killed_at:.2f} s after the kill (lease {args.ttl} s):"
                   f" the router picks from {directory.instances(name, 'prefill')}", flush=True)
-        ok = summary(outcomes)
-        for h in handles:
-            if not h.alive():
-                print(f"  {h.info['role']} worker pid {h.info['pid']} {h.describe_exit()}")
-        print(f"finished in {time.monotonic() - started:.1f} s")
-        return 0 if ok else 1
+        return finish(summary(outcomes), handles, started)
     except (WorkerStartError, DirectoryError, PeerLostError, TransferTimeout, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -121,12 +121,7 @@ class PeerRecord:
     def decode(cls, slot: Slot, value: bytes) -> PeerRecord:
         """A stored value back into a record, or `RecordError` saying what is wrong with it."""
         where = f"record for {slot.path()}"
-        if len(value) > MAX_RECORD:
-            raise RecordError(f"{where} is {len(value)} B, over the {MAX_RECORD} B limit")
-        try:
-            d = json.loads(value)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RecordError(f"{where} is not JSON: {exc}") from exc
+        d = _load(where, value, MAX_RECORD)
         if not isinstance(d, dict) or d.get("format") != RECORD_FORMAT:
             got = d.get("format") if isinstance(d, dict) else type(d).__name__
             raise RecordError(f"{where} has format {got!r}, this pdxfer reads {RECORD_FORMAT}; "
@@ -145,6 +140,16 @@ class PeerRecord:
                               f"(dp {d['dp_size']}, tp {d['tp_size']})")
         return cls(slot, d["address"], d["engine"], d["transport"], d["tp_size"], d["dp_size"],
                    d["layouts"], d["protocol"], d["meta"])
+
+
+def _load(where: str, value: bytes, limit: int) -> Any:
+    """A stored JSON value, refused (`RecordError`, naming `where`) past `limit` bytes or unparsable."""
+    if len(value) > limit:
+        raise RecordError(f"{where} is {len(value)} B, over the {limit} B limit")
+    try:
+        return json.loads(value)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecordError(f"{where} is not JSON: {exc}") from exc
 
 
 def describe_pools(pools: Mapping[str, Any]) -> dict[str, dict]:
@@ -176,12 +181,7 @@ def encode_layout(desc: Mapping[str, Any]) -> bytes:
 
 def decode_layout(fingerprint: str, value: bytes) -> dict:
     """A stored description, checked against the fingerprint it is stored under."""
-    if len(value) > MAX_LAYOUT:
-        raise RecordError(f"layout {fingerprint} is {len(value)} B, over the {MAX_LAYOUT} B limit")
-    try:
-        desc = json.loads(value)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RecordError(f"layout {fingerprint} is not JSON: {exc}") from exc
+    desc = _load(f"layout {fingerprint}", value, MAX_LAYOUT)
     try:
         if layout.fingerprint(desc) != fingerprint:
             raise RecordError(f"layout stored under {fingerprint} has another fingerprint")

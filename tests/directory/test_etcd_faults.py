@@ -58,22 +58,37 @@ def decode_and_view(etcd_url, cluster):
     view.close()
 
 
-def test_a_sigkilled_prefill_is_down_within_ttl_plus_one_second(etcd_url, cluster, decode_and_view):
-    decode, view = decode_and_view
+def _registered(view: EtcdDirectory, url: str, cluster: str, ttl: float) -> tuple[DirPrefill, list]:
+    """A prefill process on a `ttl` lease, once `view` saw it up; and the view's events."""
     seen: list = []
     view.subscribe(seen.append)
-    prefill = DirPrefill(etcd_url, cluster, ttl=1)
+    prefill = DirPrefill(url, cluster, ttl=ttl)
+    if not view.wait_for(lambda: len(seen) == 1, WAIT):
+        prefill.stop()
+        raise AssertionError(f"the prefill never showed up: {seen}")
+    return prefill, seen
+
+
+def _down_after(view: EtcdDirectory, seen: list, act) -> float:
+    """Seconds from `act()` to the view's next event (the "down" it causes)."""
+    start, count = time.monotonic(), len(seen)
+    act()
+    assert view.wait_for(lambda: len(seen) > count, WAIT)
+    assert seen[count].kind == "down", seen
+    return time.monotonic() - start
+
+
+def test_a_sigkilled_prefill_is_down_within_ttl_plus_one_second(etcd_url, cluster, decode_and_view):
+    decode, view = decode_and_view
+    prefill, seen = _registered(view, etcd_url, cluster, ttl=1)
     try:
-        assert view.wait_for(lambda: view.resolve(SLOT) is not None, WAIT)
         record = view.resolve(SLOT)
         assert record.engine == prefill.engine and record.address == prefill.address
         transfer(decode, prefill, "r1", record, range(8))
-        prefill.kill()
-        killed = time.monotonic()
-        assert view.wait_for(lambda: len(seen) == 2, WAIT)
-        took = time.monotonic() - killed
+        took = _down_after(view, seen, prefill.kill)
         assert took < 1 + 1.0, f"down {took:.2f} s after SIGKILL with a 1 s lease"
         assert kinds(seen) == [("up", prefill.engine), ("down", prefill.engine)]
+        assert view.resolve(SLOT) is None
         assert decode.poll("r1") is KVPoll.Success  # the directory changed no finished request
     finally:
         prefill.stop()
@@ -81,15 +96,9 @@ def test_a_sigkilled_prefill_is_down_within_ttl_plus_one_second(etcd_url, cluste
 
 def test_a_frozen_prefill_goes_down_and_comes_back_up_as_itself(etcd_url, cluster, decode_and_view):
     _, view = decode_and_view
-    seen: list = []
-    view.subscribe(seen.append)
-    prefill = DirPrefill(etcd_url, cluster, ttl=1)
+    prefill, seen = _registered(view, etcd_url, cluster, ttl=1)
     try:
-        assert view.wait_for(lambda: view.resolve(SLOT) is not None, WAIT)
-        prefill.freeze()
-        frozen = time.monotonic()
-        assert view.wait_for(lambda: view.resolve(SLOT) is None, WAIT)
-        took = time.monotonic() - frozen
+        took = _down_after(view, seen, prefill.freeze)
         assert took < 1 + 1.0, f"down {took:.2f} s after SIGSTOP with a 1 s lease"
         prefill.kill(signal.SIGCONT)
         assert view.wait_for(lambda: len(seen) == 3, WAIT)
