@@ -8,6 +8,13 @@ and field named, before any byte could move. The link is then cached and
 reused; a lost link is forgotten, so the next request dials afresh — a
 restarted prefill on the same port serves it.
 
+The prefill may be named by a directory record (`pdxfer.directory.PeerRecord`)
+instead of an address: its fingerprints are checked before dialing, its
+engine id — the incarnation — must be the Welcome's (else the request is
+re-resolved through the directory, or fails as a stale record), and a
+"replaced" event from the directory cuts the old incarnation's link before
+anything queued after it dials the new one. docs/directory.md.
+
 What a request may do next is its `lifecycle.DecodeLife`'s decision; this
 module is its driver. Success is declared from the transport's notifies
 alone (`on_landed`). The contract: once `poll()` says Success or Failed, no
