@@ -171,8 +171,9 @@ class DecodeEngine(Engine):
 
     # -- request flow (progress thread unless said otherwise) ------------------------
     def _start(self, req: DecodeRequest) -> None:
-        if self._closed or req.life.finished:
+        if self._closed:
             return
+        # A request aborted while dialing still binds: the prefill must hear its Abort.
         session = self._sessions.get(req.peer)
         if session is not None and (session.link is None or session.link.closed):
             session = None  # closed, its loss not yet handled: never join it; dial afresh
