@@ -36,6 +36,7 @@ from pdxfer.directory import PeerRecord
 
 from .caches import POOLS, ModelCaches, PoolExhausted, decode_counts, prefill_counts
 from .cluster import add_directory_args, model_name, open_from_args, resolve_prefill
+from .elastic import BoundaryMover
 from .model import HybridModel, ModelConfig, deterministic_torch
 from .reference import resolve_device
 from .rpc import (
@@ -93,7 +94,8 @@ class DecodeWorker:
         self.log = logger("decode", opts.verbose)
         self.model = HybridModel(cfg or ModelConfig(), opts.device)
         self.directory = open_directory(model_name(self.model)) if open_directory else None
-        self.caches = ModelCaches(self.model.cfg, opts.sizes, self.model.device)
+        self.caches = ModelCaches(self.model.cfg, opts.sizes, self.model.device,
+                                  elastic=bool(opts.resize_every))
         self._lock = threading.Lock()
         self._link: RpcClient | None = None
         self.bootstrap: str | PeerRecord | None = None
@@ -105,6 +107,8 @@ class DecodeWorker:
             raise
         self.engine = DecodeEngine(pools=self.caches.pools, config=opts.engine_config(),
                                    directory=self.directory)
+        self.mover = BoundaryMover("decode", self.caches, self.engine, opts.resize_every,
+                                   opts.resize_step)
         try:
             self.server = RpcServer(opts.host, opts.port, self.handle,
                                     functools.partial(self.log, error=True))
@@ -208,7 +212,10 @@ class DecodeWorker:
         except (ValueError, PoolExhausted) as exc:
             return Failed(rid, f"decode refused request {rid!r}: {exc}")
         try:
-            figures = self._receive(rid, prompt, idx)
+            figures, resizes = self._receive(rid, prompt, idx)
+            # The caches landed and the engine let go of them: a boundary move now
+            # relocates this request's live entries, and decoding reads them moved.
+            idx, moved = self.mover.maybe(rid, idx)
             tokens = self.model.decode(self.caches, len(prompt), msg.gen_len, idx["kv"],
                                        int(idx["state"][0]), int(idx["aux"][0]))
         except _EntriesHeld as exc:
@@ -220,10 +227,13 @@ class DecodeWorker:
             return Failed(rid, str(exc))
         self.caches.free(idx)
         self.log(f"{rid}: {len(tokens)} tokens after {figures.nbytes} B")
-        return GenerateDone(request_id=rid, tokens=tokens, transfer=figures_to_wire(figures))
+        return GenerateDone(request_id=rid, tokens=tokens, transfer=figures_to_wire(figures),
+                            resizes=resizes + moved)
 
-    def _receive(self, rid: str, prompt: list[int], idx: dict) -> TransferFigures:
+    def _receive(self, rid: str, prompt: list[int], idx: dict) -> tuple[TransferFigures, list]:
         """Get the prompt's caches into `idx`'s leading entries, or raise why not.
+
+        Returns the transfer's figures and the prefill worker's boundary moves (wire form).
 
         On failure the request is aborted and released before this raises,
         unless the engine would not confirm it was fenced: then `_EntriesHeld`,
@@ -240,7 +250,7 @@ class DecodeWorker:
             link.send(Prefill(
                 request_id=rid, prompt=prompt,
                 dst_indices={name: dst[name].tolist() for name in POOLS},
-                dst_entries={name: arena.entries for name, arena in self.caches.pools.items()},
+                dst_entries={name: self.caches.index_space(name) for name in POOLS},
             ))
             done = self._await(rid, link)
         except (PdxferError, RuntimeError, OSError) as exc:
@@ -254,7 +264,7 @@ class DecodeWorker:
                 raise _EntriesHeld(reason) from exc
             raise RuntimeError(reason) from exc
         self.engine.release(rid)
-        return figures_from_wire(done.transfer)
+        return figures_from_wire(done.transfer), list(done.resizes)
 
     def _await(self, rid: str, link: RpcClient) -> PrefillDone:
         """Until the caches have landed AND the prefill worker has confirmed.

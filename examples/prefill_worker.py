@@ -36,6 +36,7 @@ from .caches import (
     prefill_counts,
 )
 from .cluster import add_directory_args, open_from_args, register_prefill
+from .elastic import BoundaryMover
 from .model import HybridModel, ModelConfig, deterministic_torch
 from .reference import resolve_device
 from .rpc import (
@@ -74,11 +75,14 @@ class PrefillWorker:
         self.opts = opts
         self.log = logger("prefill", opts.verbose)
         self.model = HybridModel(cfg or ModelConfig(), opts.device)
-        self.caches = ModelCaches(self.model.cfg, opts.sizes, self.model.device)
+        self.caches = ModelCaches(self.model.cfg, opts.sizes, self.model.device,
+                                  elastic=bool(opts.resize_every))
         self.baseline = LayerMajorBaseline(self.caches)
         self._lock = threading.Lock()
         self.engine = PrefillEngine(pools=self.caches.pools, config=opts.engine_config())
         self.directory = directory
+        self.mover = BoundaryMover("prefill", self.caches, self.engine, opts.resize_every,
+                                   opts.resize_step)
         try:
             self.server = RpcServer(opts.host, opts.port, self.handle,
                                     functools.partial(self.log, error=True))
@@ -126,6 +130,11 @@ class PrefillWorker:
             with self._lock:
                 self.model.prefill(self.caches, prompt, src["kv"],
                                    int(src["state"][0]), int(src["aux"][0]))
+                # Written, not yet sent: a boundary move now relocates live entries,
+                # and the transfer ships them from where they moved to.
+                src, resizes = self.mover.maybe(rid, src)
+            if resizes:  # the sources moved: count the layer-major baseline for where they are
+                layer_major = self.baseline.segments(src, dst, dst_entries)
             try:
                 self.engine.send(rid, src)
                 self.engine.wait(rid, timeout=self.opts.rpc_timeout)
@@ -144,7 +153,7 @@ class PrefillWorker:
                          "its entries stay out of use", error=True)
         self.log(f"{rid}: {len(prompt)} tokens, {stats.nbytes} B in {stats.segments} segments")
         figures = TransferFigures(stats.nbytes, stats.segments, layer_major, stats.elapsed_s)
-        return PrefillDone(request_id=rid, transfer=figures_to_wire(figures))
+        return PrefillDone(request_id=rid, transfer=figures_to_wire(figures), resizes=resizes)
 
     def serve_forever(self) -> None:
         self.server.serve_forever()

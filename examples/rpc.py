@@ -6,7 +6,8 @@ Three small request/reply exchanges, each a typed, versioned msgpack frame of
 - `Hello` -> `HelloReply`: who a worker is, which model it serves (the weights
   digest, so two machines with different models refuse each other up front)
   and, for a prefill worker, its pdxfer bootstrap address.
-- `Generate` -> `GenerateDone | Failed`: client to decode worker, one request;
+- `Generate` -> `GenerateDone | Failed`: client to decode worker, one request
+  (with the pool-boundary moves both workers made during it, `--resize-every`).
   `RoutedGenerate` is the same from the cluster example's router, naming the
   prefill instance (looked up in the peer directory) that serves it.
 - `Prefill` -> `PrefillDone | Failed`: decode worker to prefill worker, carrying
@@ -86,6 +87,7 @@ class GenerateDone:
     request_id: str
     tokens: list
     transfer: dict  # TransferFigures fields
+    resizes: list  # elastic.ResizeFigures fields, per boundary move during the request (v2)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class PrefillDone:
     TYPE: ClassVar[str] = "prefill_done"
     request_id: str
     transfer: dict  # TransferFigures fields
+    resizes: list  # elastic.ResizeFigures fields, per boundary move during the request (v2)
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ class Failed:
 
 
 PROTOCOL = Protocol(
-    "pdxfer-example", 1,
+    "pdxfer-example", 2,  # 2: resizes; RoutedGenerate (the cluster example's router)
     [Hello, HelloReply, Generate, GenerateDone, Prefill, PrefillDone, Failed, RoutedGenerate],
 )
 

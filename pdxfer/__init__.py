@@ -14,7 +14,9 @@ What a serving engine links into its workers, in a page of code:
 
 Both engines register each allocation once at start-up, describe their pools
 in the handshake (refusing a layout mismatch with the pool and field named),
-and ship one transfer per pool per request, planned by `layout`. When prefill
+and ship one transfer per pool per request, planned by `layout`. A page pool
+and a state pool carved from one allocation (`layout.ElasticPools`) can move
+their boundary under traffic (`engine.resize`). When prefill
 and decode run different TP sizes, each rank's engine serves shard-major pools
 and `HeteroTPPrefill`/`HeteroTPDecode` split a request into rank pairs.
 """
@@ -34,12 +36,14 @@ from .errors import (
     RegistrationError,
     RequestError,
     RequestFailed,
+    ResizeBlockedError,
     TransferTimeout,
     TransportError,
     UnknownRequestError,
 )
 from .prefill import PrefillEngine
 from .requests import RequestOutcome
+from .resizing import ResizeReport
 from .tp_group import HeteroTPDecode, HeteroTPPrefill, group_address, sub_request_id
 
 __all__ = [
@@ -63,6 +67,8 @@ __all__ = [
     "RequestFailed",
     "RequestOutcome",
     "RequestStats",
+    "ResizeBlockedError",
+    "ResizeReport",
     "TransferTimeout",
     "TransportError",
     "UnknownRequestError",

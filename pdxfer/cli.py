@@ -33,6 +33,7 @@ _COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
         "tp": ("pdxfer.bench_tp", "heterogeneous TP: shard-major vs per-token/per-head slicing"),
         "chunked": ("pdxfer.bench_chunked", "chunked prefill: transfer hidden behind compute vs sending after"),
         "scaling": ("pdxfer.bench_scaling", "GB/s and us per request against request size, entry- vs layer-major"),
+        "elastic": ("pdxfer.bench_elastic", "moving a page/state pool boundary: relocation GB/s, entries moved"),
         "directory": ("pdxfer.bench_directory",
                       "peer directory on etcd: registrations/s, resolve latency, departure seen"),
     },

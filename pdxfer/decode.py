@@ -39,6 +39,7 @@ from typing import Any
 
 from pdxfer.transport.errors import PeerLostError, ProtocolError
 
+from . import resizing
 from .config import EngineConfig, KVPoll
 from .directory.records import PeerRecord
 from .engine import Engine
@@ -94,9 +95,12 @@ class DecodeEngine(Engine):
         rid = check_request_id(request_id)
         record = self.check_prefill(prefill)
         xid = next(self._xids)
+        gen = self._pools.generation
         dst, msg = expect_message(self._pools, rid, xid, indices)
         with self._lock:
             self._check_open()
+            if self._pools.generation != gen:  # a resize ran meanwhile: check its live ranges
+                dst, msg = expect_message(self._pools, rid, xid, indices)
             life = DecodeLife(rid, xid, msg, self._timing, time.monotonic(), fence=self._can_fence)
             req = DecodeRequest(rid, life, dst, record)
             self._table.add(req)
@@ -151,6 +155,15 @@ class DecodeEngine(Engine):
                 self._table.quarantine(req, eff.reason, eff.error)
         self._table.advance(req, req.life.poll)
         return fence
+
+    def _after_resize(self, names: tuple[str, str]) -> None:
+        """Tell every prefill the new live ranges, queued ahead of any later Expect (lock held)."""
+        self._progress.post(self._announce, resizing.live_range(self._pools, names))
+
+    def _announce(self, msg: Any) -> None:
+        for session in list(self._sessions.values()):
+            if session.link is not None:
+                session.link.send(msg)
 
     def quarantined(self) -> list[str]:
         """Ids of requests Quarantined now: failed, entries still not the caller's (no fence)."""

@@ -44,6 +44,11 @@ class DecodeRequest(Request):
         self.rebound = False  # re-resolved once already (bounds re-resolution to one hop)
         self.session: PrefillPeer | None = None
 
+    def held(self, pool: str) -> list[np.ndarray]:
+        """Our entries of `pool` this request may still receive into (`resizing.blocking`)."""
+        dst = self.dst.get(pool)
+        return [] if dst is None else [dst]
+
 
 class PrefillPeer:
     """One prefill engine as this decode sees it, keyed by its bootstrap address."""
