@@ -1,5 +1,5 @@
 # Two entry points, both from a fresh clone: `make demo` and `make test`.
-# The venv is rebuilt only when pyproject.toml changes (the stamp file).
+# The venv is rebuilt only when pyproject.toml or setup.py changes (the stamp file).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -13,7 +13,7 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: setup demo test lint bench clean pyverbs gpu-check
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"

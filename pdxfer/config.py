@@ -73,7 +73,8 @@ class EngineConfig:
     number (1e6 s is eleven days). `transport_options` are the backend's own
     constructor options (`transport.registry.options(name)` lists them): an
     unknown key, `host` (that is `EngineConfig.host`), or an option the
-    backend accepts but ignores (loopback's port/streams, nixl's streams) is
+    backend accepts but ignores (loopback's port/streams, nixl's and verbs'
+    streams) is
     refused rather than silently dropped.
     """
 

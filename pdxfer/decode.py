@@ -386,7 +386,7 @@ class DecodeEngine(Engine):
             return  # close() fails the requests itself, after the transport is down
         if self._sessions.get(session.addr) is session:
             del self._sessions[session.addr]  # the next request dials afresh
-        reason, error = why_lost(session.addr, session.refusal, reason)
+        reason, error = why_lost(session.addr, session.refusal, reason, reached=session.ready)
         with self._lock:
             reqs = session.waiting + [r for rid in session.requests
                                       if isinstance(r := self._table.find(rid), DecodeRequest)

@@ -11,8 +11,9 @@ state boundary of `layout.ElasticPools`; its bookkeeping is `resizing.py`).
 Lock discipline, the one rule that keeps this deadlock-free and keeps one
 peer from slowing the others: the table's lock guards request state and is
 held only for local work — a state-machine transition, planning, and posting
-a write on a data connection that is already open and warmed (a queue
-append; it takes only the transport's own locks). It is never held across a
+a write on a data connection that is already open and warmed (the
+transport checks the table and hands the write to its sending side, taking
+only its own locks; no network wait). It is never held across a
 network wait (`transport.connect`, a region lookup: those run in
 `handshake.DataLinks` workers) nor while calling a transport method that
 waits for another thread — `drop_peer`, `Connection.close`, `close` — because

@@ -102,14 +102,20 @@ def record_mismatch(pools: PoolSet, layouts: Mapping[str, str],
         return f"the directory's description of the prefill's pools is malformed: {exc}"
 
 
-def why_lost(addr: str, refusal: tuple[str, str] | None, reason: str) -> tuple[str, BaseException]:
-    """What a decode's requests fail with when its link to a prefill closes: a refusal, or a loss."""
+def why_lost(addr: str, refusal: tuple[str, str] | None, reason: str,
+             reached: bool = True) -> tuple[str, BaseException]:
+    """What a decode's requests fail with when its link to a prefill closes: a refusal, or a loss.
+
+    `reached` is False when the prefill never welcomed this link (nothing
+    listening, or gone before its Welcome): "lost" would send an operator
+    looking for a crash of a prefill that was never there.
+    """
     if refusal is not None and refusal[0] == "layout":
         error: BaseException = layout_error(refusal[1])
         return str(error), error
     if refusal is not None:
         return f"prefill at {addr} refused: {refusal[1]}", CapabilityError(refusal[1])
-    reason = f"prefill at {addr} lost: {reason}"
+    reason = f"prefill at {addr} {'lost' if reached else 'not reached (no handshake)'}: {reason}"
     return reason, PeerLostError(reason)
 
 

@@ -19,7 +19,7 @@ from pdxfer import cli
 def test_bench_elastic_quick_prints_both_tables_with_their_legends(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "elastic.json"
-    assert cli.main(["bench", "elastic", "--quick", "--reps", "1", "--moves", "6",
+    assert cli.main(["bench", "elastic", "--quick", "--reps", "1", "--moves", "6", "--width", "0",
                      "--json", str(path)]) == 0
     out = capsys.readouterr().out
     tables = [line for line in out.splitlines() if line.startswith("| ")]

@@ -23,7 +23,8 @@ allocators: "far" hands out pages lowest-first and states highest-first
 (away from the boundary, what a serving allocator would do), "random", and
 "near" (nearest the boundary first: the worst case, which the demo uses).
 
-Times are medians of `--reps`. `--quick` shrinks everything to a smoke run.
+Times are medians of `--reps`. `--quick` shrinks everything to a short run,
+`--tiny` to the smoke run the docs test makes.
 CPU copies run on `--threads` torch threads (1 by default: on a loaded
 machine torch's parallel copy of 1 MiB waits for a busy core, ~13 ms
 against 0.03 ms on one thread, measured here at load 6).
@@ -43,8 +44,8 @@ import torch
 
 from pdxfer import layout
 
-from . import bench_report as br
-from .cliargs import bounded_int, device_name
+from ..cliargs import bounded_int, device_name
+from . import report as br
 
 KiB, MiB = 1 << 10, 1 << 20
 TARGETS = (0.6, 0.85)  # shares of the simulated pool's slots in use
@@ -113,7 +114,8 @@ def _crc(pools: layout.ElasticPools, pool: str, idx: np.ndarray) -> list[int]:
     return [zlib.crc32(host[i * w: i * w + n]) for i in idx.tolist()]
 
 
-def relocation_rows(slots: int, reps: int, device: torch.device, report: br.Report) -> list[dict]:
+def relocation_rows(slots: int, reps: int, device: torch.device, report: br.Report,
+                    progress: br.Progress | None = None) -> list[dict]:
     """The throughput table: one row per case, checked, with its memcpy baseline."""
     size = layout.ElasticPools.allocation_bytes(PAGE, STATE, slots)
     buf = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
@@ -147,6 +149,8 @@ def relocation_rows(slots: int, reps: int, device: torch.device, report: br.Repo
                      "MiB": plan.nbytes / MiB, "plan us": statistics.median(plan_s) * 1e6,
                      "relocate ms": statistics.median(reloc_s) * 1e3, "GB/s": gbs,
                      "memcpy GB/s": mgbs, "ratio": gbs / mgbs})
+        if progress is not None:
+            progress.step(name)
     return rows
 
 
@@ -226,9 +230,10 @@ def _fmt(row: dict) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `pdxfer bench elastic`."""
     parser = argparse.ArgumentParser(prog="pdxfer bench elastic", description=__doc__.split("\n")[0])
-    # Defaults are (full run, --quick); an option given on the line wins over both.
-    sizes = {"slots": (4096, 256), "reps": (7, 3), "sim_slots": (2048, 256), "step": (128, 16),
-             "moves": (200, 20)}
+    # Defaults are (full run, --quick, --tiny); an option given on the line wins over the first
+    # two, --tiny over everything (the docs test appends it to whatever the line says).
+    sizes = {"slots": (4096, 256, 64), "reps": (7, 3, 1), "sim_slots": (2048, 256, 64),
+             "step": (128, 16, 8), "moves": (200, 20, 4)}
     parser.add_argument("--slots", type=bounded_int(8),
                         help="slots of the allocation (64 KiB each) for the throughput table (4096)")
     parser.add_argument("--reps", type=bounded_int(1), help="timed moves per case, median (7)")
@@ -239,32 +244,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=bounded_int(1), default=1,
                         help="torch intra-op threads for CPU copies (1: a parallel copy on a "
                         "shared machine waits for a busy core, for both columns alike)")
-    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a short run")
+    parser.add_argument("--tiny", action="store_true", help="smallest sizes: a smoke run in a second")
     br.add_output_args(parser, plot=False)
     args = parser.parse_args(argv)
     br.check_outputs(parser, args)
-    for name, (full, quick) in sizes.items():
-        if getattr(args, name) is None:
+    for name, (full, quick, tiny) in sizes.items():
+        if args.tiny:
+            setattr(args, name, tiny)
+        elif getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
-    torch.set_num_threads(args.threads)
+    with br.torch_threads(args.threads):
+        return _run(args, device)
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> int:
+    """Both tables, on `device`, with the sizes `main` settled."""
     report = br.Report("elastic", [], vars(args) | {"device": str(device), "json": None})
+    width = br.terminal_width(args.width)
+    progress = br.Progress(4 + len(TARGETS) * 3, "cases")
     print(f"# pdxfer bench elastic: {args.slots} slots of 64 KiB on {device}, median of {args.reps}, "
           f"{args.threads} torch thread(s)")
     print(br.machine_line())
-    rows = relocation_rows(args.slots, args.reps, device, report)
-    show = br.markdown(list(COLUMNS), print)
+    rows = relocation_rows(args.slots, args.reps, device, report, progress)
+    show = br.markdown(list(COLUMNS), print, width)
     for row in rows:
         show(_fmt(row))
+    show.close()
     br.print_legend(COLUMNS, list(COLUMNS))
     print(f"\n# simulated: {args.sim_slots} slots, moves of {args.step} slots, {args.moves} "
           "moves per allocator, requests of 1 state + 2..8 pages")
-    sim = [simulate(w, t, args.sim_slots, args.step, args.moves, seed=7)
-           for t in TARGETS for w in ("far", "random", "near")]
-    show = br.markdown(list(SIM_COLUMNS), print)
+    sim = []
+    for t in TARGETS:
+        for w in ("far", "random", "near"):
+            sim.append(simulate(w, t, args.sim_slots, args.step, args.moves, seed=7))
+            progress.step(f"simulated {w} at {t}")
+    show = br.markdown(list(SIM_COLUMNS), print, width, keys=2)
     for row in sim:
         show(_fmt(row))
+    show.close()
     report.finish(SIM_COLUMNS, list(SIM_COLUMNS), rows + sim)
     report.write(args.json, COLUMNS | SIM_COLUMNS)
     return 0

@@ -5,12 +5,13 @@ For requests of 16 KV pages + 1 state entry, per backend and per KV layout
 
 - `send us`: CPU the caller's thread spends in `PrefillEngine.send()` once
   the decode's Expect is there, split into what it spends inside
-  `layout.plan_segments` (`plan`), inside the transport's `Connection.write`
-  (`write`), and the rest — validation, destination cursors, shifting tables
-  into registered regions, notify payloads, bookkeeping (`engine`). The
-  split is measured inside the same calls (the two functions are wrapped
-  with timers for the run), so all three share the same cache and core
-  contention;
+  the pool's route (`Route.plan`: `layout` planning and the shift into the
+  registered region, `plan`), inside the transport's `Connection.write`
+  (`write`), and the rest — validation, destination cursors, notify
+  payloads, bookkeeping (`engine`). The split is measured inside the same
+  calls (that engine's routes and connection are wrapped with timers,
+  `probes.probe_prefill`; nothing is changed for the rest of the process),
+  so all three share the same cache and core contention;
 - `bare write us`: the same tables posted on a bare transport connection,
   no engine, one `write` per pool;
 - `req/s`: end-to-end throughput with the engine (send through decode
@@ -35,51 +36,18 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 
 from pdxfer import layout, transport
 
-from . import bench_report as br
-from .bench_decode import LocalDecode
-from .bench_peer import ChildPeer, crosses_processes
-from .cliargs import bounded_int
-from .config import EngineConfig, KVPoll
-from .prefill import PrefillEngine
-
-PAGES = 16
-# A small model's page: 8 layers x 16 tokens x 2 heads x 64 dims fp16, K and V (64 KiB).
-KV_FIELDS = [
-    layout.EntryField("k", 8, (16, 2, 64), torch.float16),
-    layout.EntryField("v", 8, (16, 2, 64), torch.float16),
-]
-# A hybrid layer's recurrent state: conv window and SSM state per layer (~40 KiB).
-STATE_FIELDS = [
-    layout.EntryField("conv", 8, (3, 128), torch.bfloat16),
-    layout.EntryField("ssm", 8, (8, 128), torch.float32),
-]
-
-
-KINDS = ("entry-major", "layer-major", "per-layer tensors")
-
-
-def _pools(kind: str, kv_entries: int, state_entries: int) -> dict[str, Any]:
-    if kind == "per-layer tensors":  # as SGLang allocates: one tensor per layer and field
-        kv: Any = layout.PerLayerArena({f.name: [torch.zeros(kv_entries, *f.shape, dtype=f.dtype)
-                                                 for _ in range(f.layers)] for f in KV_FIELDS})
-    else:
-        kv_cls = layout.EntryMajorArena if kind == "entry-major" else layout.LayerMajorArena
-        kv = kv_cls(KV_FIELDS, kv_entries, "cpu")
-    return {"kv": kv, "state": layout.EntryMajorArena(STATE_FIELDS, state_entries, "cpu")}
-
-
-def _requests(n: int, kv_entries: int, state_entries: int, seed: int) -> list[tuple[dict, dict]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        src = {"kv": rng.choice(kv_entries, PAGES, replace=False), "state": np.array([i % state_entries])}
-        dst = {"kv": rng.choice(kv_entries, PAGES, replace=False), "state": np.array([i % state_entries])}
-        out.append((src, dst))
-    return out
+from ..cliargs import bounded_int
+from ..config import EngineConfig, KVPoll
+from ..prefill import PrefillEngine
+from . import report as br
+from . import workload
+from .decode_peer import LocalDecode
+from .peer import ChildPeer, crosses_processes
+from .probes import Split, probe_prefill
+from .workload import ENTRIES, KINDS, KV_FIELDS, TINY_ENTRIES
 
 
 def _runs(src: np.ndarray, dst: np.ndarray) -> int:
@@ -88,39 +56,23 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> int:
     return 1 + int(np.count_nonzero(~((s[1:] == s[:-1] + 1) & (d[1:] == d[:-1] + 1))))
 
 
-class _Timed:
-    """Accumulates the calling thread's CPU time spent inside a wrapped callable."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-
-    def wrap(self, fn: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.total += time.thread_time() - t
-        return timed
-
-
 def _decode_side(backend: str, processes: int) -> Any:
     """The decode engine's driver: in a child process when asked and the backend can cross one."""
     if processes == 2 and crosses_processes(backend):
-        return ChildPeer(0, module="pdxfer.bench_decode")
+        return ChildPeer(0, module="pdxfer.bench.decode_peer")
     return LocalDecode()
 
 
-def _bench_engine(backend: str, kind: str, reqs: list, batch: int, processes: int = 1) -> dict[str, Any]:
+def _bench_engine(backend: str, kind: str, reqs: list, batch: int, decode: Any,
+                  entries: tuple[int, int] = ENTRIES) -> dict[str, Any]:
+    """The engine pass of one configuration; `decode` (a `_decode_side`) is reset after it."""
     cfg = EngineConfig(transport=backend, timeout=30.0)
-    kv_n, st_n = 4096, 256
-    prefill = PrefillEngine(_pools(kind, kv_n, st_n), cfg)
-    decode = _decode_side(backend, processes)
+    kv_n, st_n = entries
+    prefill = PrefillEngine(workload.pools(kind, kv_n, st_n), cfg)
     rows, busy, segs, transfers = [], 0.0, [], set()
-    plan, write = _Timed(), _Timed()
-    conn_cls = None
-    orig_plan = layout.plan_segments
-    layout.plan_segments = plan.wrap(orig_plan)  # what pools.Route.plan calls
+    # CPU time of the calling thread inside the engine's own routes and connection
+    plan, write = Split(time.thread_time), Split(time.thread_time)
+    probed = False
     try:
         decode.call("open", backend=backend, kind=kind, kv_entries=kv_n, state_entries=st_n)
         for start in range(0, len(reqs), batch):
@@ -136,10 +88,9 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, processes: in
                     except Exception:
                         pass
                     time.sleep(0.0002)
-            if conn_cls is None:
-                conn_cls = type(next(iter(prefill._sessions.values())).conn)
-                orig_write = conn_cls.write
-                conn_cls.write = write.wrap(orig_write)
+            if not probed:  # every Expect is there, so the data connection is open
+                probe_prefill(prefill, plan, write)
+                probed = True
             t0 = time.perf_counter()
             for i, (src, _) in chunk:
                 plan.total = write.total = 0.0
@@ -157,10 +108,7 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, processes: in
             for rid in rids:
                 prefill.release(rid)
     finally:
-        layout.plan_segments = orig_plan
-        if conn_cls is not None:
-            conn_cls.write = orig_write
-        decode.close()
+        decode.call("reset")
         prefill.close()
 
     def med(k: int) -> float:
@@ -172,10 +120,12 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, processes: in
             "raw_us": [[round(v * 1e6, 3) for v in r] for r in rows]}
 
 
-def _bench_transport(backend: str, kind: str, reqs: list, batch: int, processes: int = 1) -> dict[str, float]:
-    kv_n, st_n = 4096, 256
-    src, dst = _pools(kind, kv_n, st_n), _pools(kind, kv_n, st_n)
-    a, b = transport.create(backend), _decode_side(backend, processes)
+def _bench_transport(backend: str, kind: str, reqs: list, batch: int, b: Any,
+                     entries: tuple[int, int] = ENTRIES) -> dict[str, float]:
+    """The bare transport pass; its receiving engine lives in `b` (a `_decode_side`), reset after."""
+    kv_n, st_n = entries
+    src, dst = workload.pools(kind, kv_n, st_n), workload.pools(kind, kv_n, st_n)
+    a = transport.create(backend)
     try:
         local = {p: [a.register(buf) for buf in layout.arena_buffers(arena)] for p, arena in src.items()}
         far = b.call("bare", backend=backend, kind=kind, kv_entries=kv_n, state_entries=st_n)
@@ -206,11 +156,32 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int, processes:
                if hasattr(conn, "wrs") else "-")
     finally:
         a.close()
-        b.close()
+        b.call("reset")
     return {"plan_us": statistics.median(plans) * 1e6, "post_us": statistics.median(posts) * 1e6,
             "rps": len(reqs) / busy, "segments": segs, "wrs": wrs,
             "transfers": {sum(len(ts) for ts in per.values()) for per in tables},
             "raw_post_us": [round(v * 1e6, 3) for v in posts]}
+
+
+def _configuration(backend: str, kind: str, reqs: list, batch: int, decode: Any,
+                   entries: tuple[int, int], report: br.Report) -> tuple[dict[str, Any], str]:
+    """One backend x KV layout: engine and bare passes, segments checked; (row, WRs/doorbells)."""
+    eng = _bench_engine(backend, kind, reqs, batch, decode, entries)
+    raw = _bench_transport(backend, kind, reqs, batch, decode, entries)
+    per_field = 1 if kind == "entry-major" else sum(f.layers for f in KV_FIELDS)
+    want = [_runs(s["kv"], d["kv"]) * per_field + 1 for s, d in reqs]
+    if eng["segments"] != want or raw["segments"] != want or eng["transfers"] != raw["transfers"]:
+        raise SystemExit(f"{backend}/{kind}: segments or transfers per request differ from what "
+                         "the request names")
+    report.sample(backend=backend, kv_layout=kind,
+                  send_plan_write_us=eng["raw_us"], bare_post_us=raw["raw_post_us"])
+    row = {"backend": backend, "kv layout": kind, "segments": statistics.median(want),
+           "transfers": max(eng["transfers"]),
+           "send_us": eng["send_us"], "plan_us": eng["plan_us"], "write_us": eng["write_us"],
+           "engine_us": eng["own_us"], "bare_write_us": raw["post_us"],
+           "engine_rps": eng["rps"], "bare_rps": raw["rps"]}
+    report.row(row)
+    return row, raw["wrs"]
 
 
 COLUMNS = {
@@ -220,7 +191,7 @@ COLUMNS = {
     "segments": "median segments per request (checked equal to the runs the request names)",
     "transfers": "writes posted per request (one per registered allocation a pool spans)",
     "send us": "median CPU us of the caller's thread in PrefillEngine.send()",
-    "plan us": "... of which inside layout.plan_segments",
+    "plan us": "... of which inside the pools' Route.plan (layout planning + region shift)",
     "write us": "... of which inside the transport's Connection.write",
     "engine us": "... the rest: validation, cursors, shifts, notify payloads, bookkeeping",
     "bare write us": "median CPU us posting the same tables on a bare transport connection",
@@ -231,19 +202,19 @@ COLUMNS = {
 
 
 def _plot(rows: list[dict], path, note: str) -> None:
-    """Requests/s, engine beside bare transport, per backend and KV layout."""
+    """Requests/s, engine beside bare transport, per backend and KV layout (log when they span)."""
     def draw(plt) -> None:
         labels = [f"{r['backend']}\n{r['kv layout']}" for r in rows]
         x = np.arange(len(rows))
         plt.figure(figsize=(max(5, 1.3 * len(rows)), 3.6))
-        plt.bar(x - 0.2, [r["engine_rps"] for r in rows], 0.4, label="engine")
-        plt.bar(x + 0.2, [r["bare_rps"] for r in rows], 0.4, label="bare transport")
+        engine, bare = [r["engine_rps"] for r in rows], [r["bare_rps"] for r in rows]
+        plt.bar(x - 0.2, engine, 0.4, label="engine")
+        plt.bar(x + 0.2, bare, 0.4, label="bare transport")
         plt.xticks(x, labels, fontsize=7)
         plt.ylabel("requests/s")
-        plt.legend(fontsize=7)
-        plt.figtext(0.5, 0.005, note, ha="center", fontsize=7)
+        br.log_if_dwarfed(plt.gca(), engine + bare)
 
-    br.figure(path, draw, "pdxfer bench engine: requests/s")
+    br.figure(path, draw, "pdxfer bench engine: requests/s", note)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,57 +224,49 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per configuration (at least 1)")
     parser.add_argument("--batch", type=bounded_int(1, 4096), default=200,
                         help="requests in flight per batch (1..4096)")
-    parser.add_argument("--backends", default=",".join(transport.available()),
+    parser.add_argument("--backends", default=None,
                         help="comma-separated transports (default: all available)")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: the decode side in a child process, as deployed (default 1)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="6 requests, 3 in flight, loopback and tcp unless --backends says: a smoke run")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
-    backends = [b for b in args.backends.split(",") if b]
-    unknown = sorted(set(backends) - set(transport.available()))
-    if unknown or not backends:
-        parser.error(f"backends {unknown} are not installed; choose from "
-                     f"{', '.join(transport.available())}")
+    entries = TINY_ENTRIES if args.tiny else ENTRIES
+    if args.tiny:
+        args.requests, args.batch = 6, 3
+    backends = br.backends_arg(parser, args.backends, tiny=args.tiny)
     br.check_outputs(parser, args)
     report = br.Report("engine", backends, {"requests": args.requests, "batch": args.batch,
-                                         "pages": PAGES, "processes": args.processes})
-    reqs = _requests(args.requests, 4096, 256, seed=0)
-    print(f"requests of {PAGES} KV pages ({layout.entry_bytes_for(KV_FIELDS) // 1024} KiB each) + 1 state "
-          f"entry ({layout.entry_bytes_for(STATE_FIELDS) // 1024} KiB); {args.requests} requests, "
+                                         "pages": workload.PAGES, "processes": args.processes})
+    reqs = workload.requests(args.requests, *entries, seed=0)
+    print(f"requests of {workload.describe()}; {args.requests} requests, "
           f"{args.batch} in flight; medians per request; {args.processes} process(es)")
     print(br.machine_line())
     print()
-    emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True))
+    emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True),
+                       br.terminal_width(args.width), keys=2)
     progress = br.Progress(len(backends) * len(KINDS), "configurations")
     rows = []
     for backend in backends:
-        for kind in KINDS:
-            eng = _bench_engine(backend, kind, reqs, args.batch, args.processes)
-            raw = _bench_transport(backend, kind, reqs, args.batch, args.processes)
-            per_field = 1 if kind == "entry-major" else sum(f.layers for f in KV_FIELDS)
-            want = [_runs(s["kv"], d["kv"]) * per_field + 1 for s, d in reqs]
-            if eng["segments"] != want or raw["segments"] != want or eng["transfers"] != raw["transfers"]:
-                raise SystemExit(f"{backend}/{kind}: segments or transfers per request differ from what the request names")
-            report.sample(backend=backend, kv_layout=kind,
-                          send_plan_write_us=eng["raw_us"], bare_post_us=raw["raw_post_us"])
-            row = {"backend": backend, "kv layout": kind, "segments": statistics.median(want),
-                   "transfers": max(eng["transfers"]),
-                   "send_us": eng["send_us"], "plan_us": eng["plan_us"], "write_us": eng["write_us"],
-                   "engine_us": eng["own_us"], "bare_write_us": raw["post_us"],
-                   "engine_rps": eng["rps"], "bare_rps": raw["rps"]}
-            report.row(row)
-            rows.append(row)
-            emit({"backend": backend, "kv layout": kind, "segments": f"{row['segments']:.0f}",
-                  "transfers": str(row["transfers"]),
-                  "send us": f"{eng['send_us']:.1f}", "plan us": f"{eng['plan_us']:.1f}",
-                  "write us": f"{eng['write_us']:.1f}", "engine us": f"{eng['own_us']:.1f}",
-                  "bare write us": f"{raw['post_us']:.1f}", "engine req/s": f"{eng['rps']:.0f}",
-                  "bare transport req/s": f"{raw['rps']:.0f}", "WRs/doorbells": raw["wrs"]})
-            progress.step(f"{backend} {kind}")
+        decode = _decode_side(backend, args.processes)  # one child per backend, reset in between
+        try:
+            for kind in KINDS:
+                row, wrs = _configuration(backend, kind, reqs, args.batch, decode, entries, report)
+                rows.append(row)
+                emit({"backend": backend, "kv layout": kind, "segments": f"{row['segments']:.0f}",
+                      "transfers": str(row["transfers"]),
+                      "send us": f"{row['send_us']:.1f}", "plan us": f"{row['plan_us']:.1f}",
+                      "write us": f"{row['write_us']:.1f}", "engine us": f"{row['engine_us']:.1f}",
+                      "bare write us": f"{row['bare_write_us']:.1f}",
+                      "engine req/s": f"{row['engine_rps']:.0f}",
+                      "bare transport req/s": f"{row['bare_rps']:.0f}", "WRs/doorbells": wrs})
+                progress.step(f"{backend} {kind}")
+        finally:
+            decode.close()
+    emit.close()
     br.print_legend(COLUMNS, list(COLUMNS))
     report.write(args.json, COLUMNS)
     if args.plot is not None:
-        m = report.data["machine"]
-        _plot(rows, args.plot, f"{m['host']}, {m['cores']} cores, load {m['loadavg'][0]:.1f}, "
-              f"{args.requests} requests, {args.batch} in flight")
+        _plot(rows, args.plot, report.note(f"{args.requests} requests, {args.batch} in flight"))
     return 0

@@ -32,10 +32,10 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from .bench_report import machine_line
-from .cliargs import bounded_int, positive_float
-from .directory import EtcdDirectory, PeerRecord, Slot
-from .directory.etcd_server import EtcdServer, find_etcd
+from ..cliargs import bounded_int, positive_float
+from ..directory import EtcdDirectory, PeerRecord, Slot
+from ..directory.etcd_server import EtcdServer, find_etcd
+from .report import machine_line
 
 _REGISTER_THREADS = 16
 _WAIT = 60.0
@@ -133,11 +133,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="lease TTL of the simulated peers, s (sets the keep-alive load)")
     parser.add_argument("--departure-ttl", type=positive_float, default=1.0,
                         help="lease TTL of the peer whose departure is timed, s")
-    parser.add_argument("--quick", action="store_true", help="32 peers only: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="32 peers only: a short run")
+    parser.add_argument("--tiny", action="store_true",
+                        help="8 peers only, overriding --peers: a smoke run in seconds")
     parser.add_argument("--etcd", default=None, metavar="URL",
                         help="an etcd client URL to use (default: start a throwaway one)")
     args = parser.parse_args(argv)
-    sizes = [32] if args.quick else args.peers
+    sizes = [8] if args.tiny else [32] if args.quick else args.peers
     server = None
     try:
         url = args.etcd

@@ -18,12 +18,12 @@ shows) and with destination slots shuffled. Per case, in the same run:
 - any other installed backend (`nixl`): one `write` between two engines,
   beside memcpy and tcp;
 - with nixl installed, `raw NIXL (tcp)` and `raw NIXL (UCX default)`: NIXL
-  agents used directly (`bench_rawnixl`: prepared descriptor lists, one
+  agents used directly (`bench/rawnixl.py`: prepared descriptor lists, one
   reposted request), on our nixl backend's UCX transports and on UCX's own
   choice — the baselines `nixl` and `tcp` are held to.
 
 `--processes 2` puts every receiving endpoint that can live in another
-process (`bench_peer.ChildPeer`) in a child process, as deployed: sender and
+process (`peer.ChildPeer`) in a child process, as deployed: sender and
 receiver then share no GIL. memcpy and loopback stay in this process.
 
 Every figure is the median of `--reps` timed runs after one warm-up; the
@@ -48,10 +48,10 @@ import torch
 
 from pdxfer import transport
 
-from . import bench_report as br
-from .bench_peer import CHILD_NOTE, ChildPeer, LocalPeer
-from .bench_rawnixl import RawNixlPair
-from .cliargs import bounded_int
+from ..cliargs import bounded_int
+from . import report as br
+from .peer import CHILD_NOTE, ChildPeer, LocalPeer
+from .rawnixl import RawNixlPair
 
 Peer = LocalPeer | ChildPeer
 Run = tuple[Callable[[], None], int, Peer]
@@ -271,11 +271,13 @@ def _row(name: str, gbs: dict[str, float], pairs: dict[str, _EnginePair], table:
 
 
 def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
-        report: br.Report | None = None, processes: int = 1) -> list[dict[str, float | str]]:
+        report: br.Report | None = None, processes: int = 1,
+        width: int = 0) -> list[dict[str, float | str]]:
     """Measure every case, print one markdown table and its legend; return GB/s per case.
 
     `processes=2` puts every receiving endpoint except loopback's (an
-    in-process backend by definition) in a child process.
+    in-process backend by definition) in a child process. A table wider than
+    `width` prints as several, each led by `case`.
     """
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, total, dtype=np.uint8)
@@ -288,7 +290,7 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
     results: list[dict[str, float | str]] = []
     try:
         raw = _pairs(backends, src, local, remote, columns, pairs, nixls)
-        emit = br.markdown(columns, out)
+        emit = br.markdown(columns, out, width)
         progress = br.Progress(len(SEGMENTS) * 2, "cases")
         for seg in SEGMENTS:
             for shuffled in (False, True):
@@ -303,6 +305,7 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
                 results.append({"case": name, "segment_bytes": seg, "shuffled": shuffled, **gbs})
                 emit(_row(name, gbs, pairs, table))
                 progress.step(name)
+        emit.close()
         streams = pairs["tcp"].tx.streams if "tcp" in pairs else 0
         meanings = legend(columns, streams, processes)
         if report is not None:
@@ -336,10 +339,8 @@ def plot(results: list[dict], path, note: str) -> None:
             ax.set_xlabel("segment size (KiB)")
             ax.set_title("shuffled destinations" if shuffled else "contiguous", fontsize=9)
         axes[0].set_ylabel("GB/s (log)")
-        axes[1].legend(fontsize=7)
-        plt.figtext(0.5, 0.005, note, ha="center", fontsize=7)
 
-    br.figure(path, draw, "pdxfer bench transport: GB/s against segment size")
+    br.figure(path, draw, "pdxfer bench transport: GB/s against segment size", note)
 
 
 def _size(n: int) -> str:
@@ -352,30 +353,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total-mib", type=bounded_int(4, 1 << 16), default=256,
                         help="bytes moved per case, MiB (4..65536: at least one 4 MiB segment)")
     parser.add_argument("--reps", type=bounded_int(1), default=5, help="timed runs per figure (median)")
-    parser.add_argument("--quick", action="store_true", help="32 MiB per case, for a smoke run")
+    parser.add_argument("--quick", action="store_true", help="32 MiB per case, for a short run")
+    parser.add_argument("--tiny", action="store_true",
+                        help="4 MiB per case, one run each, loopback and tcp unless --backends says: "
+                             "a smoke run in seconds")
     parser.add_argument("--backends", default=None,
                         help="comma-separated backends (default: every installed one)")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: receivers in a child process, as deployed (default 1: one process)")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
-    total = (32 if args.quick else args.total_mib) * MiB
-    installed = transport.available() + transport.variants()  # nixl-all: UCX's full list
-    backends = installed if args.backends is None else [b for b in args.backends.split(",") if b]
-    unknown = set(backends) - set(installed)
-    if unknown:
-        parser.error(f"backends {sorted(unknown)} are not installed; choose from {', '.join(installed)}")
+    total = (4 if args.tiny else 32 if args.quick else args.total_mib) * MiB
+    reps = 1 if args.tiny else args.reps
+    backends = br.backends_arg(parser, args.backends, variants=True, tiny=args.tiny)  # + nixl-all
     br.check_outputs(parser, args)
     report = br.Report("transport", backends,
-                       {"total_bytes": total, "reps": args.reps, "processes": args.processes})
-    print(f"# pdxfer bench transport: {total // MiB} MiB per case, median of {args.reps} runs, GB/s, "
+                       {"total_bytes": total, "reps": reps, "processes": args.processes})
+    print(f"# pdxfer bench transport: {total // MiB} MiB per case, median of {reps} runs, GB/s, "
           f"{args.processes} process{'es' if args.processes > 1 else ''}")
     print(br.machine_line())
-    results = run(total, args.reps, backends, lambda line: print(line, flush=True), report,
-                  args.processes)
+    results = run(total, reps, backends, lambda line: print(line, flush=True), report,
+                  args.processes, br.terminal_width(args.width))
     report.write(args.json, report.data["columns"])
     if args.plot is not None:
-        plot(results, args.plot, report.note(f"{total // MiB} MiB per case, median of {args.reps}, "
+        plot(results, args.plot, report.note(f"{total // MiB} MiB per case, median of {reps}, "
                                              f"{args.processes} process(es)"))
     return 0
 

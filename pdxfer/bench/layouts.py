@@ -43,9 +43,9 @@ import torch
 from pdxfer import transport
 from pdxfer.layout import EntryField, EntryMajorArena, LayerMajorArena, plan_segments
 
-from . import bench_report as br
-from . import layout_example as ex
-from .cliargs import bounded_int
+from .. import layout_example as ex
+from ..cliargs import bounded_int
+from . import report as br
 
 METHODS = ("whole entries", "layer-major", "staging")
 
@@ -233,11 +233,11 @@ def _memcpy_s(nbytes: int, reps: int) -> list[float]:
     return out
 
 
-def run(backends: list[str], reps: int, tiny: bool, report: br.Report) -> list[dict]:
+def run(backends: list[str], reps: int, tiny: bool, report: br.Report, width: int = 0) -> list[dict]:
     """Measure every model x backend x method; print the table; return its rows as numbers."""
     states = models(tiny)
     shown = list(COLUMNS)
-    emit = br.markdown(shown, lambda line: print(line, flush=True))
+    emit = br.markdown(shown, lambda line: print(line, flush=True), width, keys=3)
     progress = br.Progress(len(states) * len(backends) * len(METHODS))
     rows = []
     for model, pools in states.items():
@@ -269,6 +269,7 @@ def run(backends: list[str], reps: int, tiny: bool, report: br.Report) -> list[d
                       "GB/s": f"{row['gbs']:.2f}", "vs whole": f"{row['vs_whole']:.2f}x",
                       "memcpy GB/s": f"{row['memcpy_gbs']:.2f}"})
                 progress.step(f"{model} {backend} {method}")
+    emit.close()
     br.print_legend(COLUMNS, shown)
     return rows
 
@@ -279,24 +280,27 @@ def plot(rows: list[dict], path, note: str) -> None:
     backends = list(dict.fromkeys(r["backend"] for r in rows))
 
     def draw(plt) -> None:
-        fig, axes = plt.subplots(1, len(model_names), figsize=(4.2 * len(model_names), 3.6), squeeze=False)
+        _, axes = plt.subplots(1, len(model_names), figsize=(4.2 * len(model_names), 3.6), squeeze=False)
         width = 0.8 / len(METHODS)
         for ax, model in zip(axes[0], model_names, strict=True):
             mine = [r for r in rows if r["model"] == model]
+            values = [mine[0]["memcpy_gbs"]]
             for k, method in enumerate(METHODS):
                 ys = [next(r["gbs"] for r in mine if r["backend"] == b and r["method"] == method)
                       for b in backends]
-                segs = next(r["segments"] for r in mine if r["method"] == method)
-                ax.bar(np.arange(len(backends)) + (k - 1) * width, ys, width,
-                       label=f"{method} ({segs} seg)")
+                values += ys
+                ax.bar(np.arange(len(backends)) + (k - 1) * width, ys, width, label=method)
             ax.axhline(mine[0]["memcpy_gbs"], ls="--", c="grey", lw=1, label="memcpy")
             ax.set_xticks(np.arange(len(backends)), backends)
-            ax.set_title(f"{model}: {mine[0]['bytes'] / 1e6:.1f} MB / request", fontsize=9)
+            segs = " / ".join(str(next(r["segments"] for r in mine if r["method"] == m))
+                              for m in METHODS)
+            ax.set_title(f"{model}: {mine[0]['bytes'] / 1e6:.1f} MB / request\n"
+                         f"segments {segs}", fontsize=8)
             ax.set_ylabel("GB/s")
-            ax.legend(fontsize=7)
-        fig.text(0.5, 0.005, note, ha="center", fontsize=7)
+            br.log_if_dwarfed(ax, values)
 
-    br.figure(path, draw, "pdxfer bench layouts: one model state shipped three ways")
+    br.figure(path, draw, "pdxfer bench layouts: one model state shipped three ways "
+              f"({' / '.join(METHODS)})", note)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,20 +310,17 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=bounded_int(1, 1000), default=5, help="timed runs per figure (median)")
     parser.add_argument("--tiny", action="store_true",
-                        help="two layers and a few pages per model: a smoke run of every path")
+                        help="two layers and a few pages per model, loopback and tcp unless --backends "
+                             "says: a smoke run of every path")
     parser.add_argument("--backends", default=None, help="comma-separated (default: every installed one)")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
-    installed = transport.available()
-    backends = installed if args.backends is None else [b for b in args.backends.split(",") if b]
-    unknown = sorted(set(backends) - set(installed))
-    if unknown or not backends:
-        parser.error(f"backends {unknown} are not installed; choose from {', '.join(installed)}")
+    backends = br.backends_arg(parser, args.backends, tiny=args.tiny)
     br.check_outputs(parser, args)
     report = br.Report("layouts", backends, {"reps": args.reps, "tiny": args.tiny})
     print(f"# pdxfer bench layouts: median of {args.reps} runs{' (tiny)' if args.tiny else ''}")
     print(br.machine_line())
-    rows = run(backends, args.reps, args.tiny, report)
+    rows = run(backends, args.reps, args.tiny, report, br.terminal_width(args.width))
     report.write(args.json, COLUMNS)
     if args.plot is not None:
         m = report.data["machine"]

@@ -13,16 +13,17 @@ themselves, many times, and splits them:
   included) and `bookkeeping` (the rest: index checks, cursors, notify
   payloads, the request table, the lifecycle). The totals come from the
   first pass, which runs with no timers inside;
-- `expect`: `DecodeEngine.expect()` timed per call, split into `check`
-  (`inbound.expect_message`: every index checked, the Expect framed) and
-  `bookkeeping` (the record, the lifecycle, the hand-off to the progress
-  thread);
+- `expect`: `DecodeEngine.expect()` timed per call, and beside it `check`:
+  `inbound.expect_message` (every index checked, the Expect's size bounded)
+  called on its own with the same destinations right after each timed call
+  — it is a pure function, so it is timed outside the engine rather than by
+  wrapping the module function the engine calls;
 - `bare`: the same pieces outside any engine, in a tight loop —
   `layout.plan_segments` for both pools, and `Connection.write` of the very
   tables the engine posted on a bare transport pair — the floor the engine
   adds to.
 
-A second table (`bench_rate`) sets the engine's requests/s and latency
+A second table (`bench/rate.py`) sets the engine's requests/s and latency
 beside the bare transport's on the same tables (issue #13 goal 2).
 
 Every figure is a median over all calls, in microseconds, of wall time
@@ -45,49 +46,31 @@ import numpy as np
 
 from pdxfer import layout, transport
 
-from . import bench_rate as rate
-from . import bench_report as br
-from . import decode as decode_mod
-from .bench_engine import KV_FIELDS, PAGES, STATE_FIELDS, _pools, _requests
-from .bench_rate import KV_ENTRIES, STATE_ENTRIES, _ready
-from .cliargs import bounded_int
-from .config import EngineConfig
-from .decode import DecodeEngine
-from .pools import Route
-from .prefill import PrefillEngine
-
-
-class _Split:
-    """Wall time spent inside wrapped callables, summed per call of the outer timer."""
-
-    def __init__(self) -> None:
-        self.total = 0
-
-    def wrap(self, fn: Any) -> Any:
-        clock = time.perf_counter_ns
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.total += clock() - t
-        return timed
+from ..cliargs import bounded_int
+from ..config import EngineConfig
+from ..decode import DecodeEngine
+from ..inbound import expect_message
+from ..prefill import PrefillEngine
+from . import rate, workload
+from . import report as br
+from .probes import Split, probe_prefill
+from .rate import _ready
+from .workload import ENTRIES, TINY_ENTRIES
 
 
 def _med(values: list[float]) -> float:
     return statistics.median(values) / 1000.0 if values else float("nan")
 
 
-def _engine_pass(backend: str, reqs: list, batch: int, split: bool) -> dict[str, list]:
+def _engine_pass(backend: str, reqs: list, batch: int, split: bool,
+                 entries: tuple[int, int] = ENTRIES) -> dict[str, list]:
     """One run of all requests through a fresh engine pair: per-call times (ns)."""
     cfg = EngineConfig(transport=backend, timeout=30.0)
-    prefill = PrefillEngine(_pools("entry-major", KV_ENTRIES, STATE_ENTRIES), cfg)
-    decode = DecodeEngine(_pools("entry-major", KV_ENTRIES, STATE_ENTRIES), cfg)
+    prefill = PrefillEngine(workload.pools("entry-major", *entries), cfg)
+    decode = DecodeEngine(workload.pools("entry-major", *entries), cfg)
     out: dict[str, list] = {k: [] for k in ("send", "send_cpu", "plan", "post", "expect",
                                             "expect_cpu", "check", "tables")}
-    plan, post, check = _Split(), _Split(), _Split()
-    undo: list[tuple[Any, str, Any]] = []
+    plan, post = Split(), Split()
     clock, cpu = time.perf_counter_ns, time.thread_time_ns
     try:
         # A first request opens the link and warms every path before timing.
@@ -97,21 +80,18 @@ def _engine_pass(backend: str, reqs: list, batch: int, split: bool) -> dict[str,
         decode.wait("warm", 60.0)
         prefill.wait("warm", 60.0)
         if split:
-            conn_cls = type(next(iter(prefill._sessions.values())).conn)
-            for owner, name, timer in ((Route, "plan", plan), (conn_cls, "write", post),
-                                       (decode_mod, "expect_message", check)):
-                orig = getattr(owner, name)
-                undo.append((owner, name, orig))
-                setattr(owner, name, timer.wrap(orig))
+            probe_prefill(prefill, plan, post)
         for start in range(0, len(reqs), batch):
             chunk = list(enumerate(reqs[start:start + batch], start))
             for i, (_, dst) in chunk:
-                check.total = 0
                 c, t = cpu(), clock()
                 decode.expect(f"r{i}", prefill.bootstrap_address, dst)
                 out["expect"].append(clock() - t)
                 out["expect_cpu"].append(cpu() - c)
-                out["check"].append(check.total)
+                if split:  # what expect() checks and frames, timed on its own: it is pure
+                    t = clock()
+                    expect_message(decode._pools, f"r{i}", i, dst)
+                    out["check"].append(clock() - t)
             _ready(prefill, [f"r{i}" for i, _ in chunk])
             for i, (src, _) in chunk:
                 plan.total = post.total = 0
@@ -127,16 +107,14 @@ def _engine_pass(backend: str, reqs: list, batch: int, split: bool) -> dict[str,
                 decode.release(f"r{i}")
                 prefill.release(f"r{i}")
     finally:
-        for owner, name, orig in undo:
-            setattr(owner, name, orig)
         decode.close()
         prefill.close()
     return out
 
 
-def _bare(backend: str, reqs: list, reps: int) -> dict[str, float]:
+def _bare(backend: str, reqs: list, reps: int, entries: tuple[int, int] = ENTRIES) -> dict[str, float]:
     """`plan_segments` and `Connection.write` of the same tables, no engine: medians (us)."""
-    src, dst = _pools("entry-major", KV_ENTRIES, STATE_ENTRIES), _pools("entry-major", KV_ENTRIES, STATE_ENTRIES)
+    src, dst = workload.pools("entry-major", *entries), workload.pools("entry-major", *entries)
     a, b = transport.create(backend), transport.create(backend)
     clock = time.perf_counter_ns
     plans, posts = [], []
@@ -170,7 +148,8 @@ COLUMNS = {
     "bookkeeping us": "... the rest of send() in the second pass",
     "expect us": "median wall us of DecodeEngine.expect() of the same destinations",
     "expect cpu us": "... the calling thread's CPU time",
-    "expect check us": "... inside expect_message: index checks + framing (second pass)",
+    "expect check us": "inbound.expect_message (index checks, size bound) on the same "
+                       "destinations, timed on its own (second pass)",
     "bare plan us": "plan_segments for both pools in a tight loop, no engine",
     "bare post us": "Connection.write of both tables on a bare transport pair, no engine",
 }
@@ -188,12 +167,14 @@ RATE_COLUMNS = {
 }
 
 
-def _rates(backend: str, reqs: list, args: argparse.Namespace) -> dict[str, Any]:
+def _rates(backend: str, reqs: list, args: argparse.Namespace,
+           entries: tuple[int, int] = ENTRIES) -> dict[str, Any]:
     """Goal 2's row: engine and bare requests/s and latency, rounds alternating."""
-    pools = functools.partial(_pools, "entry-major", KV_ENTRIES, STATE_ENTRIES)
+    pools = functools.partial(workload.pools, "entry-major", *entries)
+    kv_n, st_n = entries
     rng = np.random.default_rng(1)
-    small = [({"kv": rng.choice(KV_ENTRIES, args.latency_pages, replace=False), "state": np.array([i % STATE_ENTRIES])},
-              {"kv": rng.choice(KV_ENTRIES, args.latency_pages, replace=False), "state": np.array([i % STATE_ENTRIES])})
+    small = [({"kv": rng.choice(kv_n, args.latency_pages, replace=False), "state": np.array([i % st_n])},
+              {"kv": rng.choice(kv_n, args.latency_pages, replace=False), "state": np.array([i % st_n])})
              for i in range(args.latency)]
     eng_rps, bare_rps, ratios, eng_lat, bare_lat = [], [], [], [], []
     for _ in range(args.rounds):
@@ -226,28 +207,34 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV pages per latency request (1..64)")
     parser.add_argument("--backends", default="loopback,tcp",
                         help="comma-separated transports (default: loopback,tcp)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="12 requests, 4 per batch, one round, 3 latency requests: a smoke run")
     br.add_output_args(parser, plot=False)
     args = parser.parse_args(argv)
+    entries = TINY_ENTRIES if args.tiny else ENTRIES
+    if args.tiny:
+        args.requests, args.batch, args.rounds, args.latency = 12, 4, 1, 3
     backends = br.backends_arg(parser, args.backends)
     br.check_outputs(parser, args)
     report = br.Report("request-cost", backends, {"requests": args.requests, "batch": args.batch,
-                                                  "pages": PAGES})
-    reqs = _requests(args.requests, KV_ENTRIES, STATE_ENTRIES, seed=0)
-    print(f"send() of {PAGES} scattered KV pages ({layout.entry_bytes_for(KV_FIELDS) // 1024} KiB "
-          f"each) + 1 state entry ({layout.entry_bytes_for(STATE_FIELDS) // 1024} KiB), "
-          f"entry-major; {args.requests} requests, medians per call")
+                                                  "pages": workload.PAGES})
+    reqs = workload.requests(args.requests, *entries, seed=0)
+    print(f"send() of {workload.describe()}, scattered, entry-major; {args.requests} requests, "
+          "medians per call")
     print(br.machine_line())
     print()
-    emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True))
+    width = br.terminal_width(args.width)
+    emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True), width)
+    progress = br.Progress(len(backends), "backends")
     rows = []
     for backend in backends:
         whole: dict[str, list] = {}
         parts: dict[str, list] = {}
         for _ in range(args.rounds):  # alternating, so load bursts hit both passes
             for acc, split in ((whole, False), (parts, True)):
-                for k, v in _engine_pass(backend, reqs, args.batch, split).items():
+                for k, v in _engine_pass(backend, reqs, args.batch, split, entries).items():
                     acc.setdefault(k, []).extend(v)
-        bare = _bare(backend, reqs, args.requests)
+        bare = _bare(backend, reqs, args.requests, entries)
         own = [s - p - q for s, p, q in zip(parts["send"], parts["plan"], parts["post"], strict=True)]
         row = {"backend": backend,
                "send_us": _med(whole["send"]), "send_cpu_us": _med(whole["send_cpu"]),
@@ -260,17 +247,20 @@ def main(argv: list[str] | None = None) -> int:
         report.sample(backend=backend, send_ns=whole["send"], expect_ns=whole["expect"])
         emit({k: row[k.replace(" ", "_")] if k == "backend" else f"{row[k.replace(' ', '_')]:.1f}"
               for k in COLUMNS})
-        rows.append(_rates(backend, reqs, args))
+        rows.append(_rates(backend, reqs, args, entries))
+        progress.step(backend)
+    emit.close()
     print()
     print(f"requests/s with {args.batch} in flight, and latency of {args.latency} requests of "
           f"{args.latency_pages} page(s) + 1 state entry sent one at a time (send() to decode "
           f"Success; bare: post to the receiver's last notify); {args.rounds} alternating rounds")
     print()
-    emit = br.markdown(list(RATE_COLUMNS), lambda line: print(line, flush=True))
+    emit = br.markdown(list(RATE_COLUMNS), lambda line: print(line, flush=True), width)
     for row in rows:
         report.row(row)
         emit({k: row[k] if isinstance(row[k], str) else f"{row[k]:.{2 if 'engine/' in k else 0}f}"
               for k in RATE_COLUMNS})
+    emit.close()
     br.print_legend(COLUMNS, list(COLUMNS))
     br.print_legend(RATE_COLUMNS, list(RATE_COLUMNS))
     report.write(args.json, {**COLUMNS, **RATE_COLUMNS})

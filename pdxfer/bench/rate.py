@@ -27,11 +27,9 @@ from typing import Any
 
 from pdxfer import layout, transport
 
-from .config import EngineConfig, KVPoll
-from .decode import DecodeEngine
-from .prefill import PrefillEngine
-
-KV_ENTRIES, STATE_ENTRIES = 4096, 256
+from ..config import EngineConfig, KVPoll
+from ..decode import DecodeEngine
+from ..prefill import PrefillEngine
 
 
 def _ready(prefill: PrefillEngine, rids: list[str]) -> None:

@@ -12,7 +12,7 @@ checked by crc32 after each layout's warm-up (the timed requests rewrite
 the same bytes).
 
 With `--processes 2` the receiving engine lives in a child process
-(`bench_peer`), as deployed; the prefill side plans against a local copy of
+(`bench/peer.py`), as deployed; the prefill side plans against a local copy of
 the destination arena's geometry, which is all planning reads.
 """
 
@@ -29,9 +29,9 @@ import torch
 
 from pdxfer import layout, transport
 
-from . import bench_report as br
-from .bench_peer import CHILD_NOTE, ChildPeer, LocalPeer, crosses_processes
-from .cliargs import bounded_int
+from ..cliargs import bounded_int
+from . import report as br
+from .peer import CHILD_NOTE, ChildPeer, LocalPeer, crosses_processes
 
 KiB, MiB = 1 << 10, 1 << 20
 LAYERS = 8
@@ -102,14 +102,15 @@ def _point(backend: str, tx: transport.TransportEngine, conn, far: dict, peer, p
              "gbs": nbytes / statistics.median(times[name]) / 1e9} for name in LAYOUTS]
 
 
-def run(backends: list[str], reps: int, tiny: bool, processes: int, out, report: br.Report) -> list[dict]:
+def run(backends: list[str], reps: int, tiny: bool, processes: int, out, report: br.Report,
+        width: int = 0) -> list[dict]:
     """Every backend x request size x layout; print one table and its legend, return the rows."""
     rng = np.random.default_rng(0)
     points = cases(tiny)
     biggest = max(max(e * (n if p == "kv pages" else 2), e * entries)
                   for p, n, e, entries in points)
     columns = ["backend", "pool", "request", "layout", "segments", "us/request", "GB/s", "layer/entry"]
-    emit = br.markdown(columns, out)
+    emit = br.markdown(columns, out, width, keys=4)
     rows: list[dict] = []
     progress = br.Progress(len(points) * len(backends), "points")
     for backend in backends:
@@ -137,6 +138,7 @@ def run(backends: list[str], reps: int, tiny: bool, processes: int, out, report:
             if peer is not local:
                 peer.close()
             local.close()
+    emit.close()
     meanings = {
         "backend": "transport backend of both engines" + (CHILD_NOTE if processes == 2 else ""),
         "pool": "kv pages: 64 KiB pages scattered on both sides; state entry: one entry of the stated size",
@@ -176,10 +178,9 @@ def plot(rows: list[dict], path, note: str) -> None:
                 ax.set_yscale("log")
         axes[0][0].set_ylabel("GB/s (log)")
         axes[1][0].set_ylabel("us per request (log)")
-        axes[0][1].legend(fontsize=7)
-        plt.figtext(0.5, 0.005, note, ha="center", fontsize=7)
 
-    br.figure(path, draw, "pdxfer bench scaling: request size vs GB/s and us, entry- vs layer-major")
+    br.figure(path, draw, "pdxfer bench scaling: request size vs GB/s and us, entry- vs layer-major",
+              note)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,12 +193,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="2: the receiving engine in a child process, as deployed")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
-    backends = br.backends(parser, args.backends)
+    backends = br.backends_arg(parser, args.backends)
     br.check_outputs(parser, args)
     report = br.Report("scaling", backends, {"reps": args.reps, "processes": args.processes})
     print(f"# pdxfer bench scaling: median of {args.reps} requests per point, {args.processes} process(es)")
     print(br.machine_line())
-    rows = run(backends, args.reps, args.tiny, args.processes, lambda line: print(line, flush=True), report)
+    rows = run(backends, args.reps, args.tiny, args.processes, lambda line: print(line, flush=True),
+               report, br.terminal_width(args.width))
     report.write(args.json, report.data["columns"])
     if args.plot is not None:
         plot(rows, args.plot, report.note(f"median of {args.reps}, {args.processes} process(es)"))

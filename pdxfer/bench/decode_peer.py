@@ -3,7 +3,7 @@
 `pdxfer bench chunked` (and `bench engine --processes 2`) drive a real
 `DecodeEngine` the way a decode worker does — `expect`, `wait`, `release` —
 but from the benchmark's process. With `--processes 2` the engine runs in a
-child started by `bench_peer.ChildPeer(module="pdxfer.bench_decode")`, so the
+child started by `peer.ChildPeer(module="pdxfer.bench.decode_peer")`, so the
 prefill's Python (its "forward pass", its sends) and the decode's receiving
 threads share no GIL, as deployed; the operations travel on the same
 msgpack pipe, each answered within a timeout.
@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import EngineConfig, KVPoll
+from ..config import EngineConfig, KVPoll
+from . import workload
 
-OPS = ("open", "expect", "wait", "stats", "release", "bare")
+OPS = ("open", "expect", "wait", "stats", "release", "bare", "reset")
 
 
 def entries_crc(pools: dict[str, Any], indices: dict[str, Any]) -> int:
@@ -49,10 +50,9 @@ class DecodeSide:
         self._bare: list[Any] = []
 
     def open(self, backend: str, kind: str, kv_entries: int, state_entries: int) -> None:
-        from .bench_engine import _pools
-        from .decode import DecodeEngine
+        from ..decode import DecodeEngine
 
-        self.pools = _pools(kind, kv_entries, state_entries)
+        self.pools = workload.pools(kind, kv_entries, state_entries)
         self.engine = DecodeEngine(self.pools, EngineConfig(transport=backend, timeout=30.0))
 
     def expect(self, rids: list[str], addr: str, indices: list[dict[str, list[int]]]) -> None:
@@ -79,9 +79,7 @@ class DecodeSide:
         """A bare transport engine with fresh pools' buffers registered: address and descriptors."""
         from pdxfer import layout, transport
 
-        from .bench_engine import _pools
-
-        self._bare_pools = _pools(kind, kv_entries, state_entries)
+        self._bare_pools = workload.pools(kind, kv_entries, state_entries)
         eng = transport.create(backend)
         self._bare.append(eng)
         return {"address": eng.address(),
@@ -91,6 +89,10 @@ class DecodeSide:
     def release(self, rids: list[str]) -> None:
         for rid in rids:
             self.engine.release(rid)
+
+    def reset(self) -> None:
+        """Close the engines and keep the process: one child serves every configuration."""
+        self.close()
 
     def close(self) -> None:
         for eng in self._bare:
@@ -102,7 +104,7 @@ class DecodeSide:
 
 
 class LocalDecode:
-    """A `DecodeSide` in this process, with `bench_peer.LocalPeer`'s `call` signature."""
+    """A `DecodeSide` in this process, with `peer.LocalPeer`'s `call` signature."""
 
     def __init__(self) -> None:
         self.side = DecodeSide()
@@ -115,6 +117,6 @@ class LocalDecode:
 
 
 if __name__ == "__main__":
-    from .bench_peer import serve
+    from .peer import serve
 
     sys.exit(serve(DecodeSide(), OPS))

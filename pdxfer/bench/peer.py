@@ -107,7 +107,7 @@ class Receiver:
     # -- raw NIXL ----------------------------------------------------------------
     def nixl(self, name: str, tls: str, device: str = "") -> dict[str, Any]:
         """A plain NIXL agent (NIXL's defaults; UCX transports `tls`, '' = UCX's own choice)."""
-        from .bench_rawnixl import agent
+        from .rawnixl import agent
 
         a = agent(name, tls, device)
         a.register_memory(torch.from_numpy(self.dst))
@@ -202,10 +202,10 @@ class ChildPeer:
     """A `Receiver` in a child process (spawned interpreter), driven over a msgpack pipe."""
 
     def __init__(self, total: int, timeout: float = NIXL_WAIT_S + 30,
-                 module: str = "pdxfer.bench_peer") -> None:
+                 module: str = "pdxfer.bench.peer") -> None:
         self.timeout = timeout
         self.dst = None  # lives in the child
-        # `module` runs `serve` with its own receiver class (bench_decode: a DecodeEngine).
+        # `module` runs `serve` with its own receiver class (decode_peer: a DecodeEngine).
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, str(total)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -24,8 +24,6 @@ This is a benchmark, not a test: nothing asserts a speed.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +32,9 @@ import numpy as np
 import torch
 
 from pdxfer import layout, transport
+
+from ..cliargs import bounded_int
+from . import report as br
 
 CASES = ((4, 2), (2, 4), (8, 1), (1, 8))
 PAGE = 16
@@ -147,8 +148,28 @@ class _Links:
             engine.close()
 
 
-def run(args: argparse.Namespace, out: Callable[[str], None]) -> None:
-    """Measure every case and print one markdown table."""
+def legend(backends: list[str]) -> dict[str, str]:
+    """What each column means, for the backends measured."""
+    out = {
+        "P -> D": "prefill TP size -> decode TP size",
+        "method": "shard-major (ShardMajorArena, planned by layout.rank_pair) or per-token "
+                  "(LayerMajorArena per rank, one segment per token x head group x layer x field)",
+        "pairs": "contributing (prefill rank, decode rank) pairs: one transfer each",
+        "segments": "rows of all the pairs' tables for one request",
+        "plan us": "median us planning every pair of the request (after a warm-up call)",
+    }
+    for b in backends:
+        out[f"{b} GB/s"] = f"request bytes over the time of all its {b} writes, posted together"
+    for b in backends:
+        out[f"{b} speed-up"] = f"{b} GB/s over per-token's {b} GB/s in the same run"
+    out["memcpy GB/s"] = "one numpy.copyto of the same number of bytes, taking turns with the methods"
+    out[f"{backends[0]}/memcpy"] = f"{backends[0]} GB/s over memcpy GB/s"
+    return out
+
+
+def run(args: argparse.Namespace, out: Callable[[str], None], report: br.Report,
+        width: int = 0) -> list[dict]:
+    """Measure every case; print one markdown table and its legend; return the rows as numbers."""
     L, H, Dh = args.layers, args.heads, args.head_dim
     gen = torch.Generator().manual_seed(0)
     values = {n: torch.randn((L, args.pages, PAGE, H, Dh), generator=gen).to(torch.bfloat16)
@@ -156,11 +177,11 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> None:
     rng = np.random.default_rng(0)
     src_idx = rng.permutation(args.pages)[: args.request].astype(np.int64)
     dst_idx = rng.permutation(args.pages)[: args.request].astype(np.int64)
-    cols = ["P -> D", "method", "pairs", "segments", "plan us"] + [f"{b} GB/s" for b in args.backends]
-    cols += [f"{b} speed-up" for b in args.backends]
-    cols += ["memcpy GB/s", f"{args.backends[0]}/memcpy"]
-    out("| " + " | ".join(cols) + " |")
-    out("|" + " --- |" * len(cols))
+    meanings = legend(args.backends)
+    columns = list(meanings)
+    emit = br.markdown(columns, out, width, keys=2)
+    progress = br.Progress(len(CASES) * len(args.backends), "case x backend")
+    rows: list[dict] = []
     for P, D in CASES:
         sides = {m: _Side(m, args, P, D, values) for m in ("shard-major", "per-token")}
         tables, plan_us, nbytes = {}, {}, {}
@@ -203,40 +224,67 @@ def run(args: argparse.Namespace, out: Callable[[str], None]) -> None:
                             copies.append(time.perf_counter() - t0)
                 for m in sides:
                     gbs[m][backend] = nbytes[m] / statistics.median(times[m]) / 1e9
+                    report.sample(case=f"{P}->{D}", method=m, backend=backend, seconds=times[m],
+                                  bytes=nbytes[m])
             finally:
                 for link in links.values():
                     link.close()
+            progress.step(f"{P} -> {D} {backend}")
+        report.sample(case=f"{P}->{D}", method="memcpy", backend="-", seconds=copies,
+                      bytes=int(flat.size))
         memcpy = flat.size / statistics.median(copies) / 1e9
         for m in sides:
-            row = [f"{P} -> {D}", m, str(pairs), f"{sum(len(t) for _, _, t in tables[m]):,}",
-                   f"{plan_us[m]:,.0f}"]
-            row += [f"{gbs[m][b]:.2f}" for b in args.backends]
-            row += [f"{gbs[m][b] / gbs['per-token'][b]:.1f}x" for b in args.backends]
-            row += [f"{memcpy:.2f}", f"{gbs[m][args.backends[0]] / memcpy:.2f}x"]
-            out("| " + " | ".join(row) + " |")
+            segments = sum(len(t) for _, _, t in tables[m])
+            row = {"case": f"{P}->{D}", "method": m, "pairs": pairs, "segments": segments,
+                   "plan_us": plan_us[m], "bytes": nbytes[m], "memcpy_gbs": memcpy,
+                   **{f"{b}_gbs": gbs[m][b] for b in args.backends},
+                   **{f"{b}_speedup": gbs[m][b] / gbs["per-token"][b] for b in args.backends}}
+            rows.append(row)
+            b0 = args.backends[0]
+            emit({"P -> D": f"{P} -> {D}", "method": m, "pairs": str(pairs),
+                  "segments": f"{segments:,}", "plan us": f"{plan_us[m]:,.0f}",
+                  **{f"{b} GB/s": f"{gbs[m][b]:.2f}" for b in args.backends},
+                  **{f"{b} speed-up": f"{row[f'{b}_speedup']:.1f}x" for b in args.backends},
+                  "memcpy GB/s": f"{memcpy:.2f}", f"{b0}/memcpy": f"{gbs[m][b0] / memcpy:.2f}x"})
+    emit.close()
+    report.finish(meanings, columns, rows, out)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of `pdxfer bench tp`."""
     parser = argparse.ArgumentParser(prog="pdxfer bench tp", description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--pages", type=int, default=96, help="entries in every pool")
-    parser.add_argument("--request", type=int, default=32, help="pages one request moves")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--backends", default="loopback,tcp")
+    parser.add_argument("--layers", type=bounded_int(1, 1024), default=16, help="layers (1..1024)")
+    parser.add_argument("--heads", type=bounded_int(8, 1024), default=8,
+                        help="KV heads, a multiple of 8 (TP up to 8)")
+    parser.add_argument("--head-dim", type=bounded_int(1, 4096), default=128, help="head dim (1..4096)")
+    parser.add_argument("--pages", type=bounded_int(1, 1 << 20), default=96, help="entries in every pool")
+    parser.add_argument("--request", type=bounded_int(1, 1 << 20), default=32,
+                        help="pages one request moves (at most --pages)")
+    parser.add_argument("--reps", type=bounded_int(1, 1000), default=5, help="timed runs per figure (median)")
+    parser.add_argument("--backends", default="loopback,tcp", help="comma-separated backends")
+    parser.add_argument("--tiny", action="store_true",
+                        help="2 layers, 6 pages, a 3-page request, one run: a smoke run of every case")
+    br.add_output_args(parser, plot=False)
     args = parser.parse_args(argv)
-    args.backends = [b for b in args.backends.split(",") if b]
-    missing = [b for b in args.backends if b not in transport.available()]
-    if missing:
-        parser.error(f"backends {missing} not installed; installed: {transport.available()}")
-    if args.heads % 8 or args.request > args.pages:
-        parser.error("--heads must be a multiple of 8 (TP up to 8) and --request <= --pages")
-    torch.set_num_threads(1)
-    print(f"<!-- pdxfer bench tp: {platform.machine()}, {os.cpu_count()} cores, torch "
-          f"{torch.__version__}; {args.layers} layers x k,v x {args.heads} heads x {args.head_dim} "
-          f"bf16, {PAGE}-token pages, {args.request}-page request, median of {args.reps} -->")
-    run(args, print)
+    if args.tiny:
+        args.layers, args.pages, args.request, args.reps = 2, 6, 3, 1
+    args.backends = br.backends_arg(parser, args.backends)
+    if args.heads % 8:
+        parser.error(f"--heads {args.heads}: must be a multiple of 8 (the cases go up to TP 8)")
+    if args.request > args.pages:
+        parser.error(f"--request {args.request} exceeds --pages {args.pages}: a request names "
+                     "distinct pages of the pool")
+    br.check_outputs(parser, args)
+    report = br.Report("tp", args.backends, {
+        "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim, "pages": args.pages,
+        "request": args.request, "reps": args.reps, "page_tokens": PAGE})
+    print(f"# pdxfer bench tp: {args.layers} layers x k,v x {args.heads} heads x {args.head_dim} "
+          f"bf16, {PAGE}-token pages, {args.request}-page request, median of {args.reps}")
+    print(br.machine_line())
+    with br.torch_threads(1):
+        run(args, lambda line: print(line, flush=True), report, br.terminal_width(args.width))
+    report.write(args.json, report.data["columns"])
     return 0
 
 

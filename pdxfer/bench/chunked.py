@@ -20,7 +20,7 @@ pass), in three modes taking turns:
 decode's Success (monotonic clock, system-wide, so it crosses processes);
 `hidden` = 1 - exposed(chunked) / exposed(after). Every request's landed
 entries are compared by crc32 with the source's. With `--processes 2` the
-decode engine runs in a child process (`bench_decode`), as deployed.
+decode engine runs in a child process (`bench/decode_peer.py`), as deployed.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import time
 import numpy as np
 import torch
 
-from . import bench_report as br
-from .bench_decode import LocalDecode, entries_crc
-from .bench_engine import _pools
-from .bench_peer import CHILD_NOTE, ChildPeer, crosses_processes
-from .cliargs import bounded_int, positive_float
-from .config import EngineConfig, KVPoll
-from .errors import UnknownRequestError
-from .prefill import PrefillEngine
+from ..cliargs import bounded_int, positive_float
+from ..config import EngineConfig, KVPoll
+from ..errors import UnknownRequestError
+from ..prefill import PrefillEngine
+from . import report as br
+from . import workload
+from .decode_peer import LocalDecode, entries_crc
+from .peer import CHILD_NOTE, ChildPeer, crosses_processes
 
 MODES = ("chunked", "after", "transfer only")
 _A = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
@@ -105,20 +105,21 @@ def prefill_pools(prefill: PrefillEngine) -> dict:
 
 
 def run(backends: list[str], pages: int, chunks: int, compute_ms: float, reps: int, processes: int,
-        out, report: br.Report) -> list[dict]:
+        out, report: br.Report, width: int = 0) -> list[dict]:
     """Every backend x mode; print one table and its legend; return one row per backend and mode."""
     kv_n, st_n = max(2 * pages, 64), 8
     rng = np.random.default_rng(0)
     columns = ["backend", "mode", "pages", "chunks", "compute ms", "exposed ms", "end-to-end ms", "hidden"]
-    emit = br.markdown(columns, out)
+    emit = br.markdown(columns, out, width, keys=2)
+    progress = br.Progress(len(backends) * (reps + 1), "rounds")
     rows = []
     for backend in backends:
-        pools = _pools("entry-major", kv_n, st_n)
+        pools = workload.pools("entry-major", kv_n, st_n)
         for arena in pools.values():  # random bytes: a crc of zeros would prove nothing
             arena.buf.copy_(torch.from_numpy(rng.integers(0, 256, arena.buf.numel(), dtype=np.uint8)))
         prefill = PrefillEngine(pools, EngineConfig(transport=backend, timeout=30.0))
         cross = processes == 2 and crosses_processes(backend)
-        decode = ChildPeer(0, module="pdxfer.bench_decode") if cross else LocalDecode()
+        decode = ChildPeer(0, module="pdxfer.bench.decode_peer") if cross else LocalDecode()
         try:
             decode.call("open", backend=backend, kind="entry-major", kv_entries=kv_n, state_entries=st_n)
             exposed: dict[str, list[float]] = {m: [] for m in MODES}
@@ -129,6 +130,7 @@ def run(backends: list[str], pages: int, chunks: int, compute_ms: float, reps: i
                              compute_ms / 1e3)
                     if i:  # round 0 warms connections and caches
                         exposed[mode].append(s)
+                progress.step(f"{backend} round {i}")
         finally:
             decode.close()
             prefill.close()
@@ -144,6 +146,7 @@ def run(backends: list[str], pages: int, chunks: int, compute_ms: float, reps: i
                   "compute ms": f"{busy:.0f}", "exposed ms": f"{med[mode]:.2f}",
                   "end-to-end ms": f"{row['end_to_end_ms']:.1f}",
                   "hidden": f"{row['hidden']:.0%}" if row["hidden"] is not None else ""})
+    emit.close()
     meanings = {
         "backend": "transport of both engines" + (CHILD_NOTE if processes == 2 else ""),
         "mode": "chunked: send each chunk once computed (last=False); after: compute all, then one "
@@ -169,11 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="loopback,tcp", help="comma-separated backends")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: the decode engine in a child process, as deployed")
+    parser.add_argument("--tiny", action="store_true",
+                        help="8 pages in 4 chunks of 1 ms, one timed request: a smoke run")
     br.add_output_args(parser, plot=False)
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.pages, args.chunks, args.compute_ms, args.reps = 8, 4, 1.0, 1
     if args.chunks > args.pages:
         parser.error(f"--chunks {args.chunks} exceeds --pages {args.pages}: every chunk needs a page")
-    backends = br.backends(parser, args.backends)
+    backends = br.backends_arg(parser, args.backends)
     br.check_outputs(parser, args)
     report = br.Report("chunked", backends, {"pages": args.pages, "chunks": args.chunks,
                                              "compute_ms": args.compute_ms, "reps": args.reps,
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.reps}, {args.processes} process(es)")
     print(br.machine_line())
     run(backends, args.pages, args.chunks, args.compute_ms, args.reps, args.processes,
-        lambda line: print(line, flush=True), report)
+        lambda line: print(line, flush=True), report, br.terminal_width(args.width))
     report.write(args.json, report.data["columns"])
     return 0
 
