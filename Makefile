@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.pdxfer-installed
 # satisfied instead of pulling a CUDA build of its own.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench clean pyverbs gpu-check
+.PHONY: setup demo test test-sglang test-vllm lint bench clean pyverbs gpu-check
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,15 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# SGLang's and vLLM's own code driving pdxfer (tests/engines/): each builds its own pinned
+# venv under .cache/ on first use (minutes; then cached), and skips with the reason where
+# the pins cannot be installed, except under CI=true.
+test-sglang:
+	tests/engines/run.sh sglang
+
+test-vllm:
+	tests/engines/run.sh vllm
 
 # Real pyverbs for the fabric's honesty tests, unpacked under .cache/ (never installed
 # system-wide); the tests fetch it themselves too, this only does it ahead of time.

@@ -237,6 +237,15 @@ def summary(outcomes: list[Outcome]) -> bool:
     return False
 
 
+def finish(ok: bool, handles: list[WorkerHandle], started: float) -> int:
+    """Say which workers died and how long it took; the exit status for `ok`."""
+    for h in handles:
+        if not h.alive():
+            print(f"  {h.info['role']} worker {h.describe_exit()}")
+    print(f"finished in {time.monotonic() - started:.1f} s")
+    return 0 if ok else 1
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -293,12 +302,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(HEADER, flush=True)
         outcomes = run_requests(args, client, model, prefill)
-        ok = summary(outcomes)
-        for h in handles:
-            if not h.alive():
-                print(f"  {h.info['role']} worker {h.describe_exit()}")
-        print(f"finished in {time.monotonic() - started:.1f} s")
-        return 0 if ok else 1
+        return finish(summary(outcomes), handles, started)
     except (WorkerStartError, PeerLostError, TransferTimeout, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

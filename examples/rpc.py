@@ -8,6 +8,8 @@ Three small request/reply exchanges, each a typed, versioned msgpack frame of
   and, for a prefill worker, its pdxfer bootstrap address.
 - `Generate` -> `GenerateDone | Failed`: client to decode worker, one request
   (with the pool-boundary moves both workers made during it, `--resize-every`).
+  `RoutedGenerate` is the same from the cluster example's router, naming the
+  prefill instance (looked up in the peer directory) that serves it.
 - `Prefill` -> `PrefillDone | Failed`: decode worker to prefill worker, carrying
   the destination entries so the prefill side can count what a layer-major
   pool would have posted for the same transfer.
@@ -52,6 +54,17 @@ class Generate:
     request_id: str
     prompt: list
     gen_len: int
+
+
+@dataclass(frozen=True)
+class RoutedGenerate:
+    """A router's `Generate`: served from the prefill instance it picked in the peer directory."""
+
+    TYPE: ClassVar[str] = "routed_generate"
+    request_id: str
+    prompt: list
+    gen_len: int
+    prefill: str  # the instance name; the decode worker resolves it in its directory
 
 
 @dataclass(frozen=True)
@@ -102,8 +115,8 @@ class Failed:
 
 
 PROTOCOL = Protocol(
-    "pdxfer-example", 2,  # 2: resizes
-    [Hello, HelloReply, Generate, GenerateDone, Prefill, PrefillDone, Failed],
+    "pdxfer-example", 2,  # 2: resizes; RoutedGenerate (the cluster example's router)
+    [Hello, HelloReply, Generate, GenerateDone, Prefill, PrefillDone, Failed, RoutedGenerate],
 )
 
 

@@ -49,6 +49,7 @@ from .page_major import (
     mha_entry_bytes,
 )
 from .per_layer import PerLayerArena
+from .ranges import adopt_ranges
 from .segments import arena_buffers, check_indices, coalesce, plan_segments
 from .shards import ShardGeometry, ShardMajorArena, shard_geometry
 from .tp_plan import (
@@ -77,6 +78,7 @@ __all__ = [
     "ShardGeometry",
     "ShardMajorArena",
     "SplitEntryMajorArena",
+    "adopt_ranges",
     "arena_buffers",
     "build_page_major_mamba_views",
     "build_page_major_mha_views",

@@ -34,6 +34,8 @@ _COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
         "chunked": ("pdxfer.bench.chunked", "chunked prefill: transfer hidden behind compute vs sending after"),
         "scaling": ("pdxfer.bench.scaling", "GB/s and us per request against request size, entry- vs layer-major"),
         "elastic": ("pdxfer.bench.elastic", "moving a page/state pool boundary: relocation GB/s, entries moved"),
+        "directory": ("pdxfer.bench.directory",
+                      "peer directory on etcd: registrations/s, resolve latency, departure seen"),
         "peers": ("pdxfer.bench.peers", "one prefill, 1..128 decode peers: req/s, p99, memory and threads"),
     },
 }

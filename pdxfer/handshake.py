@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -73,6 +73,33 @@ def welcome_mismatch(pools: PoolSet, msg: Welcome) -> str | None:
         return mismatch((msg.pools, msg.fingerprints), (pools.descs, pools.fingerprints))
     except (AttributeError, TypeError, KeyError) as exc:
         raise ProtocolError(f"malformed welcome: {exc}") from exc
+
+
+def record_mismatch(pools: PoolSet, layouts: Mapping[str, str],
+                    describe: Callable[[str], dict | None] | None) -> str | None:
+    """Why the decode refuses a prefill by its directory record, before dialing (None: dial).
+
+    `layouts` is the record's `{pool: fingerprint}`; `describe(fp)` the
+    directory's published description (for a fingerprint that differs from
+    ours, e.g. another TP split of the same format). Empty `layouts` (a bare
+    address) or a differing fingerprint with no description leaves the
+    decision to the handshake, as without a directory.
+    """
+    if not layouts:
+        return None
+    descs = {}
+    for name, fp in layouts.items():
+        desc = pools.descs.get(name) if pools.fingerprints.get(name) == fp else (
+            describe(fp) if describe is not None else None)
+        if desc is None:
+            if name in pools.descs:
+                return None  # cannot tell before dialing: the handshake decides
+            desc = {}  # a pool we lack: `mismatch` names it from the names alone
+        descs[name] = desc
+    try:
+        return mismatch((descs, dict(layouts)), (pools.descs, pools.fingerprints))
+    except (AttributeError, TypeError, KeyError) as exc:
+        return f"the directory's description of the prefill's pools is malformed: {exc}"
 
 
 def why_lost(addr: str, refusal: tuple[str, str] | None, reason: str,

@@ -18,6 +18,7 @@ import numpy as np
 
 from pdxfer import layout
 
+from .directory.records import PeerRecord
 from .errors import RequestError
 from .lifecycle import DecodeLife
 from .pools import PoolSet
@@ -32,12 +33,15 @@ MAX_INDICES = (MAX_FRAME - (64 << 10)) // 8
 class DecodeRequest(Request):
     """A request as the decode tracks it: its destinations and the prefill serving it."""
 
-    __slots__ = ("dst", "session")
+    __slots__ = ("dst", "record", "rebound", "session")
 
-    def __init__(self, request_id: str, life: DecodeLife, dst: dict[str, np.ndarray], addr: str) -> None:
+    def __init__(self, request_id: str, life: DecodeLife, dst: dict[str, np.ndarray],
+                 record: PeerRecord) -> None:
         super().__init__(request_id, life)
         self.dst = dst
-        self.peer = addr
+        self.record = record  # who should serve it: an address, or a directory record
+        self.peer = record.address
+        self.rebound = False  # re-resolved once already (bounds re-resolution to one hop)
         self.session: PrefillPeer | None = None
 
     def held(self, pool: str) -> list[np.ndarray]:
@@ -49,12 +53,13 @@ class DecodeRequest(Request):
 class PrefillPeer:
     """One prefill engine as this decode sees it, keyed by its bootstrap address."""
 
-    __slots__ = ("addr", "engine", "link", "ready", "refusal", "requests", "waiting")
+    __slots__ = ("addr", "engine", "expected", "link", "ready", "refusal", "requests", "waiting")
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, expected: str | None = None) -> None:
         self.addr = addr
         self.link: Link | None = None
         self.engine: str | None = None  # the prefill's transport engine id, from Welcome
+        self.expected = expected  # the engine id the dialing request's record named (None: any)
         self.ready = False
         self.refusal: tuple[str, str] | None = None
         self.waiting: list[DecodeRequest] = []  # bound before the handshake finished

@@ -18,7 +18,7 @@ LAYOUT = [
     "ElasticPools", "EntryField", "EntryMajorArena", "FORMAT_VERSION", "IndexMap",
     "LayerMajorArena", "LayoutError", "PageMajorMHAArena", "PageMajorMambaArena", "PdxferError",
     "PerLayerArena", "RankPair", "ResizePlan", "ShardGeometry", "ShardMajorArena",
-    "SplitEntryMajorArena", "arena_buffers", "build_page_major_mamba_views",
+    "SplitEntryMajorArena", "adopt_ranges", "arena_buffers", "build_page_major_mamba_views",
     "build_page_major_mha_views", "carve", "carve_layer_major", "check_indices",
     "checkpoint_ranges_for", "coalesce", "contributing_ranks", "describe", "describe_diff",
     "entry_bytes_for", "field_extents", "fingerprint", "is_split_pair", "mamba_entry_bytes",
