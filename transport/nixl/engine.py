@@ -25,7 +25,9 @@ Capabilities, per instance, from `tls` alone (`capabilities_for`, which the
 registry's `nixl-all` = `tls="all"` answers with too): `tls="tcp"` — host
 memory only, receiver-driven, fenceable; `tls="all"` (or None) — CUDA
 tensors register as VRAM, descriptors say VRAM or DRAM per region,
-one-sided (cma, cuda_ipc, rc), and `drop_peer` refuses. CUDA sources: UCX
+one-sided (cma, cuda_ipc, rc), and `drop_peer` refuses. Without a fence the
+initiating agent also serves every inbound link (`shared`), so a region is
+registered once per engine however many peers write to it (#23). CUDA sources: UCX
 reads them itself, so a write waits in the kit's post queue until the
 producer's `ready` event is reached; no thread blocks on it.
 Deliberately absent: `read` (nothing needs it yet).
