@@ -205,11 +205,11 @@ def _memory_row(backend: str, side: str, peers: int, engine: Any, base_threads: 
             "links": use.get("links_out", 0)}
 
 
-def _fmt_memory(row: dict[str, Any], first: dict[str, Any]) -> dict[str, str]:
-    """One printed memory row; `first` is the same side's row at the fewest peers."""
+def _fmt_memory(row: dict[str, Any], before: dict[str, Any] | None) -> dict[str, str]:
+    """One printed memory row; `before`: the same side's row at the next fewer peers, if any."""
     per = (row["threads"] - row["base_threads"]) / row["peers"]
-    grown = (f"{(row['rss'] - first['rss']) / 1024 / (row['peers'] - first['peers']):.0f}"
-             if row["peers"] > first["peers"] else "")
+    grown = ("" if before is None else
+             f"{(row['rss'] - before['rss']) / 1024 / (row['peers'] - before['peers']):.0f}")
     return {"backend": row["backend"], "side": row["side"], "peers": str(row["peers"]),
             "rss MiB": f"{row['rss'] / 2**20:.0f}", "rss KiB/peer": grown, "threads": str(row["threads"]),
             "threads/peer": f"{per:.2f}", "bounce MiB": f"{row['bounce'] / 2**20:.1f}",
@@ -299,7 +299,8 @@ def legend(options: str) -> dict[str, str]:
                  "one receiving transport engine here (64 MiB registered) written to by that many "
                  "sending engines"),
         "rss MiB": "this process's resident memory once every peer has its connection (and wrote / was written)",
-        "rss KiB/peer": "resident memory grown per peer since the fewest peers of the same side",
+        "rss KiB/peer": ("resident memory grown per added peer since the row above (same side); the "
+                         "prefill rows also carry what the throughput points before them left behind"),
         "threads": "this process's kernel threads then (UCX's, torch's and ours)",
         "threads/peer": "(threads - threads before the prefill existed) / peers",
         "bounce MiB": "tcp bounce pool bytes (pinned once CUDA memory is registered; forced here)",
@@ -394,9 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     out("")
     mtable = br.markdown(MEMORY_COLUMNS, out, br.terminal_width(args.width), keys=3)
     ordered = sorted(memory, key=lambda r: (backends.index(r["backend"]), r["side"], r["peers"]))
-    for row in ordered:
-        mtable(_fmt_memory(row, next(r for r in ordered
-                                     if (r["backend"], r["side"]) == (row["backend"], row["side"]))))
+    for i, row in enumerate(ordered):
+        before = ordered[i - 1] if i and (ordered[i - 1]["backend"], ordered[i - 1]["side"]) == (
+            row["backend"], row["side"]) else None
+        mtable(_fmt_memory(row, before))
     mtable.close()
     meanings = legend("tcp: force_bounce, so its bounce pool is what a GPU host pins")
     report.finish(meanings, COLUMNS + MEMORY_COLUMNS[2:], results, out)
