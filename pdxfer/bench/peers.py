@@ -311,32 +311,41 @@ def legend(options: str) -> dict[str, str]:
 
 
 def plot(results: list[dict[str, Any]], memory: list[dict[str, Any]], path: Any, note: str) -> None:
-    """Throughput and p99 against peers per in-flight count; RSS and threads against peers."""
+    """Throughput and p99 against peers per in-flight count; RSS, threads, bounce bytes against peers.
+
+    One colour per backend; in-flight counts (and the two sides) by line style and marker.
+    """
     backends = list(dict.fromkeys(r["backend"] for r in memory))
+    inflights = sorted({r["inflight"] for r in results})
+    styles = ["-", "--", "-.", ":"]
+    markers = ["o", "s", "^", "D"]
 
     def draw(plt: Any) -> None:
-        _, axes = plt.subplots(1, 5, figsize=(18, 3.6))
-        for b in backends:
-            for f in sorted({r["inflight"] for r in results if r["backend"] == b}):
+        _, axes = plt.subplots(1, 5, figsize=(19, 3.8))
+        for b, colour in zip(backends, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False):
+            for k, f in enumerate(inflights):
                 mine = sorted((r for r in results if r["backend"] == b and r["inflight"] == f),
                               key=lambda r: r["peers"])
+                if not mine:
+                    continue
                 xs = [r["peers"] for r in mine]
-                axes[0].plot(xs, [r["req_s"] for r in mine], marker="o", label=f"{b}, {f} in flight")
-                axes[1].plot(xs, [r["p99_us"] / 1000 for r in mine], marker="o",
-                             label=f"{b}, {f} in flight")
-            for side, style in (("prefill: out", "--"), ("transport: in", ":")):
+                look = {"color": colour, "ls": styles[k % 4], "marker": markers[k % 4],
+                        "label": f"{b}, {f} in flight"}
+                axes[0].plot(xs, [r["req_s"] for r in mine], **look)
+                axes[1].plot(xs, [r["p99_us"] / 1000 for r in mine], **look)
+            for side, style, marker in (("prefill: out", "-", "s"), ("transport: in", ":", "v")):
                 mem = sorted((r for r in memory if r["backend"] == b and r["side"] == side),
                              key=lambda r: r["peers"])
                 xs = [r["peers"] for r in mem]
-                label = f"{b}, {side}"
-                axes[2].plot(xs, [r["rss"] / 2**20 for r in mem], marker="s", ls=style, label=label)
-                axes[3].plot(xs, [r["threads"] for r in mem], marker="s", ls=style, label=label)
-                axes[4].plot(xs, [r["bounce"] / 2**20 for r in mem], marker="s", ls=style, label=label)
+                look = {"color": colour, "ls": style, "marker": marker, "label": f"{b}, {side}"}
+                axes[2].plot(xs, [r["rss"] / 2**20 for r in mem], **look)
+                axes[3].plot(xs, [r["threads"] for r in mem], **look)
+                axes[4].plot(xs, [r["bounce"] / 2**20 for r in mem], **look)
         for ax, title in zip(axes, ("requests/s", "p99 latency (ms)", "process RSS (MiB)",
                                     "process threads", "bounce pool, pinned with CUDA (MiB)"),
                              strict=True):
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("decode peers")
+            ax.set_xlabel("decode peers (senders for 'transport: in')")
             ax.set_title(title, fontsize=9)
         br.log_if_dwarfed(axes[0], [r["req_s"] for r in results])
         br.log_if_dwarfed(axes[1], [r["p99_us"] for r in results])
