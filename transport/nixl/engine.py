@@ -39,11 +39,11 @@ import dataclasses
 import itertools
 import logging
 import socket
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from ..base import Capabilities
+from ..control import LinkRegions
 from ..engine import EngineBase
 from ..link import Link
 from ..listener import DEFAULT_MAX_PENDING, Slot
@@ -53,7 +53,6 @@ from .inbound import InboundPeer
 from .progress import Progress
 from .requests import Requests
 from .send import NixlLink
-from .wire import Gone
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +92,15 @@ class NixlEngine(EngineBase):
         self.tls = FULL_TLS if tls is None else check_tls(tls)
         # UCX listens on every interface it may use: keep it on the one `host` names
         self.device = interface_of(host)
-        self._admitting = threading.Lock()  # a new link's regions vs a region being registered
+        self._shared = LinkRegions(self.regions, self.inbound, InboundPeer)  # every link gets every region
         self._serial = itertools.count(1)
         self._initiator = Initiator(self.engine_id, self.tls, self.device)
         # No fence possible (one-sided transports): the initiating agent serves every inbound
         # link too, so each region is registered once per engine (inbound.py).
-        self._shared = None if self.capabilities.fence else self._initiator
+        self._serving = None if self.capabilities.fence else self._initiator
         self._requests = Requests(self._initiator)
-        self._progress = Progress(self.engine_id, self._requests, self.inbound,
-                                  shared=self._shared is not None)
+        self._progress = Progress(self.engine_id, self._requests, self._shared,
+                                  shared=self._serving is not None)
         try:
             self.listen(host, port, max_pending)
         except BaseException:
@@ -116,24 +115,10 @@ class NixlEngine(EngineBase):
     # -- memory -------------------------------------------------------------------------
     def on_register(self, region: Region) -> None:
         region.adopt("initiator", self._initiator.register(region))
-        with self._admitting:
-            for peer in self._peers():
-                peer.add_region(region)
+        self._shared.registered(region)
 
     def on_deregister(self, region: Region) -> None:
-        for peer in self._peers():
-            peer.send(Gone(region.region_id))
-
-    def _peers(self) -> list[InboundPeer]:
-        return [p for p in self.inbound.links() if isinstance(p, InboundPeer) and not p.dead]
-
-    def _admit(self, peer: InboundPeer) -> list[Region]:
-        """Register every live region on a new link's agent (atomically with `register`)."""
-        with self._admitting:
-            regions = self.regions.live()
-            for region in regions:
-                peer.add_region(region)
-        return regions
+        self._shared.deregistered(region)
 
     # -- links ------------------------------------------------------------------------------
     def open_link(self, address: dict[str, Any]) -> Link:
@@ -144,13 +129,13 @@ class NixlEngine(EngineBase):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = InboundPeer(self.inbound, sock, where, slot, engine_id=self.engine_id,
                            serial=next(self._serial), tls=self.tls, device=self.device,
-                           admit=self._admit, live=self.regions.live, shared=self._shared)
+                           admit=self._shared.admit, live=self.regions.live, shared=self._serving)
         if not (self.inbound.track(peer) and peer.start(peer.run, f"nixl-in {where}")):
             slot.admitted()  # closing: nothing more is served
             sock.close()
 
     def backend_usage(self) -> dict[str, int]:
-        links = [p for p in self._peers() if p.shared is None]
+        links = [p for p in self._shared.links() if p.shared is None]
         return {"registrations": self._initiator.registrations + sum(len(p.held) for p in links),
                 "agents": 1 + len(links),
                 "prepared_descriptors": self._initiator.prepared.descs}

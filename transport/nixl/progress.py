@@ -38,8 +38,7 @@ import threading
 import time
 from collections import defaultdict
 
-from ..inbound import InboundTable
-from .inbound import InboundPeer
+from ..control import LinkRegions
 from .requests import Requests
 
 log = logging.getLogger(__name__)
@@ -53,11 +52,11 @@ BUSY_CALL = 20e-6
 class Progress:
     """The thread that drives one engine's NIXL agents."""
 
-    def __init__(self, name: str, requests: Requests, inbound: InboundTable, *,
+    def __init__(self, name: str, requests: Requests, links: LinkRegions, *,
                  shared: bool = False) -> None:
         """`shared`: the initiating agent serves every inbound link (their notifications come from it)."""
         self._requests = requests
-        self._inbound = inbound
+        self._links = links
         self._shared = shared
         self._wake = threading.Event()
         self._stop = False
@@ -102,8 +101,7 @@ class Progress:
                 by_link[link].append(seq)
             for link, seqs in by_link.items():
                 link.acked(seqs)
-        peers = [p for p in self._inbound.links()
-                 if isinstance(p, InboundPeer) and not p.dead and p.sender is not None]
+        peers = self._links.links()
         if self._shared:
             worked = self._hand_out(peers, notifs) or worked
             return worked, sending
@@ -114,10 +112,10 @@ class Progress:
                 worked = True  # bytes were moving into our memory: keep polling closely
             if landed:
                 worked = True
-                self._deliver(peer, landed)
+                peer.hand_over(landed)  # the kit's delivery rule, then one Acks frame
         return worked, sending
 
-    def _hand_out(self, peers: list[InboundPeer], notifs: dict[str, list[bytes]]) -> bool:
+    def _hand_out(self, peers: list, notifs: dict[str, list[bytes]]) -> bool:
         """Shared agent: give each link the notifications of its sender (others: stale, dropped)."""
         if not notifs:
             return False
@@ -129,12 +127,5 @@ class Progress:
                 continue
             landed = peer.landed({name: messages})
             if landed:
-                self._deliver(peer, landed)
+                peer.hand_over(landed)
         return True
-
-    @staticmethod
-    def _deliver(peer: InboundPeer, landed: list[tuple[int, bytes | None]]) -> None:
-        # The kit's delivery rule: under the link's guard, never once it is fenced
-        # (re-entrant: a handler may drop_peer).
-        if peer.deliver(payload for _, payload in landed):
-            peer.ack([seq for seq, _ in landed])

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ClosedError, TransferTimeout, TransportError
 from ..wire import HANDSHAKE_MAX_FRAME, LENGTH
-from .rig import WAIT, Backend, need, until
+from .rig import WAIT, Backend, Trickler, need, until
 
 
 def _eof_within(sock: socket.socket, timeout: float) -> bool:
@@ -53,11 +53,11 @@ def test_pre_handshake_frame_over_the_cap_is_refused_at_once(backend: Backend) -
 
 def test_pending_connections_are_capped_and_idle_ones_time_out(backend: Backend) -> None:
     need(backend, "listens")
-    with backend.create(connect_timeout=1.0, max_pending=4) as eng:
+    with backend.create(connect_timeout=0.5, max_pending=4) as eng:
         socks = [_dial(eng) for _ in range(10)]
         try:
             closed = [s for s in socks if _eof_within(s, 30.0)]
-            # every one is closed: 6 at accept, 4 after their 1 s handshake timeout
+            # every one is closed: 6 at accept, 4 after their 0.5 s handshake timeout
             assert len(closed) == 10
             assert eng.listener.refused >= 1
             assert until(lambda: eng.listener.pending == 0)
@@ -67,13 +67,13 @@ def test_pending_connections_are_capped_and_idle_ones_time_out(backend: Backend)
 
 
 def test_a_peer_trickling_its_handshake_is_closed_at_the_deadline(backend: Backend) -> None:
-    # one byte per 0.3 s keeps the per-recv timeout from firing; the deadline must
+    # one byte per 0.2 s keeps a 0.5 s per-recv timeout from firing; the deadline must
     need(backend, "listens")
-    with backend.create(connect_timeout=1.0) as eng:
+    with backend.create(connect_timeout=0.5) as eng:
         with _dial(eng) as sock:
             sock.sendall(LENGTH.pack(HANDSHAKE_MAX_FRAME))
-            sock.settimeout(0.3)
-            for _ in range(200):  # 60 s at most; the 1 s deadline ends it long before
+            sock.settimeout(0.2)
+            for _ in range(300):  # 60 s at most; the 0.5 s deadline ends it long before
                 try:
                     sock.sendall(b"\x00")
                     if not sock.recv(1):
@@ -133,60 +133,16 @@ def test_listener_binds_the_ipv6_wildcard(backend: Backend) -> None:
             assert _eof_within(sock, 30.0)
 
 
-class _Trickler:
-    """A fake peer: accepts, reads the hello frame, then answers one byte every `every` s."""
-
-    def __init__(self, every: float, silent: bool = False) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.every, self.silent = every, silent
-        self.accepted = threading.Event()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        self.server.settimeout(WAIT)
-        try:
-            conn, _ = self.server.accept()
-        except OSError:
-            return
-        self.accepted.set()
-        with conn:
-            try:
-                head = conn.recv(4, socket.MSG_WAITALL)
-                if len(head) < 4:
-                    return  # the dialer gave up (its engine closed) before its hello
-                conn.recv(LENGTH.unpack(head)[0], socket.MSG_WAITALL)
-                if self.silent:
-                    self.stop.wait(WAIT)
-                    return
-                conn.sendall(LENGTH.pack(1000))  # a welcome "is coming"... one byte at a time
-                while not self.stop.wait(self.every):
-                    conn.sendall(b"\x00")
-            except OSError:
-                return
-
-    def address(self, backend: str) -> dict:
-        return {"backend": backend, "engine": f"{backend}-trickler", "host": "127.0.0.1",
-                "port": self.port}
-
-    def close(self) -> None:
-        self.stop.set()
-        self.server.close()
-        self.thread.join(WAIT)
-
-
 def test_a_peer_trickling_its_welcome_cannot_hold_a_dial_past_connect_timeout(backend: Backend) -> None:
     need(backend, "listens")
-    with backend.create(connect_timeout=1.0) as eng:
-        peer = _Trickler(every=0.2)
+    with backend.create(connect_timeout=0.5) as eng:
+        peer = Trickler(every=0.1)
         try:
             t0 = time.monotonic()
-            with pytest.raises(TransferTimeout, match="connect_timeout=1.0"):
+            with pytest.raises(TransferTimeout, match="connect_timeout=0.5"):
                 eng.connect(peer.address(eng.name))
             took = time.monotonic() - t0
-            assert took < 1.0 + 2.0, f"the dial took {took:.1f} s against connect_timeout=1"
+            assert took < 0.5 + 2.0, f"the dial took {took:.1f} s against connect_timeout=0.5"
         finally:
             peer.close()
 
@@ -194,7 +150,7 @@ def test_a_peer_trickling_its_welcome_cannot_hold_a_dial_past_connect_timeout(ba
 def test_close_ends_a_dial_in_progress(backend: Backend) -> None:
     need(backend, "listens")
     eng = backend.create(connect_timeout=60.0)
-    peer = _Trickler(every=0.2, silent=True)
+    peer = Trickler(every=0.2, silent=True)
     try:
         errors: list[BaseException] = []
 

@@ -15,13 +15,14 @@ wait, for state no event announces.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
+import signal
+import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ import pytest
 import torch
 
 from ..base import Capabilities, TransportEngine
+from ..wire import LENGTH
 from .tables import CANARY, assert_landed
 
 SRC_BYTES = 4 << 20
@@ -129,11 +131,50 @@ class Rig:
     def refill(self) -> None:
         self.dst[:] = CANARY
 
+    @property
+    def healthy(self) -> bool:
+        """Both engines open and the link alive: the rig can serve another case as it is."""
+        return not self.tx.closed and not self.rx.closed and getattr(self.conn, "alive", False)
+
+    def reset(self) -> Rig:
+        """Canary back in the destination, no notes, no handler hook: as a fresh rig starts."""
+        self.on_notify = None
+        self.refill()
+        with self.noted:
+            self.notes.clear()
+        return self
+
     def close(self) -> None:
         self.tx.close()
         rx = getattr(self, "rx", None)
         if rx is not None:
             rx.close()
+
+
+class RigPool:
+    """One rig per backend shared by the cases that leave it as they found it (a test module's).
+
+    Building a rig costs two engines and a dial (for nixl, three NIXL agents); the
+    refusal and round-trip cases, dozens per backend, reuse one instead. A rig a case
+    broke (a closed engine, a dead link) is replaced before the next one gets it.
+    """
+
+    def __init__(self) -> None:
+        self._rigs: dict[str, Rig] = {}
+
+    def get(self, backend: Backend) -> Rig:
+        rig = self._rigs.get(backend.label)
+        if rig is not None and not rig.healthy:
+            rig.close()
+            rig = None
+        if rig is None:
+            rig = self._rigs[backend.label] = Rig(backend)
+        return rig.reset()
+
+    def close(self) -> None:
+        for rig in self._rigs.values():
+            rig.close()
+        self._rigs.clear()
 
 
 class Gate:
@@ -184,6 +225,81 @@ class StepGate:
 
     def open(self) -> None:
         self.opened.set()
+
+
+class Trickler:
+    """A fake peer for dials: accepts, reads the hello frame, then announces a 1000-byte welcome
+    and sends it one byte every `every` s (or stays silent), until the dialer hangs up.
+    """
+
+    def __init__(self, every: float, silent: bool = False) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.every, self.silent = every, silent
+        self.accepted, self.hung_up, self.stop = threading.Event(), threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.server.settimeout(WAIT * 3)
+        try:
+            conn, _ = self.server.accept()
+        except OSError:
+            return
+        self.accepted.set()
+        with conn:
+            try:
+                head = conn.recv(4, socket.MSG_WAITALL)
+                if len(head) == 4:  # else the dialer gave up (its engine closed) before its hello
+                    conn.recv(LENGTH.unpack(head)[0], socket.MSG_WAITALL)
+                    if not self.silent:
+                        conn.sendall(LENGTH.pack(1000))  # a welcome "is coming"... a byte at a time
+                conn.settimeout(self.every)
+                while not self.stop.is_set():
+                    try:
+                        if not conn.recv(1):
+                            break  # the dialer hung up
+                    except TimeoutError:
+                        if not self.silent:
+                            conn.sendall(b"\x00")
+            except OSError:
+                pass
+        self.hung_up.set()
+
+    def address(self, backend: str) -> dict[str, Any]:
+        """An address of `backend` that leads here."""
+        return {"backend": backend, "engine": f"{backend}-trickler", "host": "127.0.0.1",
+                "port": self.port}
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.close()
+        self.thread.join(WAIT)
+
+
+def drop_while_gated(rig: Rig, gate: StepGate, fence_wait: float) -> np.ndarray:
+    """`drop_peer` on the receiver while `gate` holds its step; the destination as it returned.
+
+    A correct fence blocks until the gate opens (so the step ends before it
+    returns); a broken one returns within `fence_wait`, with the step still
+    held, and the step then runs after it (`gate.ran_after_fence`).
+    """
+    assert gate.entered.wait(WAIT), "the gated step never ran"
+    snapshot: list[np.ndarray] = []
+
+    def drop() -> None:
+        rig.rx.drop_peer(rig.tx.engine_id)
+        gate.fence_done.set()
+        snapshot.append(rig.dst.copy())
+
+    dropper = threading.Thread(target=drop)
+    dropper.start()
+    dropper.join(fence_wait)  # a broken fence returns here, with the step still held
+    gate.open()
+    dropper.join(WAIT)
+    assert not dropper.is_alive(), "drop_peer never returned"
+    assert gate.finished.wait(WAIT)
+    return snapshot[0]
 
 
 def need(subject: TransportEngine | Backend, flag: str, why: str = "") -> None:
@@ -252,16 +368,50 @@ class PeerProcess:
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
+    def freeze(self) -> None:
+        """SIGSTOP, and return once every thread of it is stopped (signals land asynchronously)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        tasks = f"/proc/{self.pid}/task"
+
+        def stopped() -> bool:
+            try:
+                states = [open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                          for t in os.listdir(tasks)]
+            except OSError:
+                return False
+            return all(s in "tT" for s in states)
+
+        assert until(stopped, WAIT, 0.001), f"peer process {self.pid} did not stop"
+
     def kill(self) -> None:
         self.child.kill()
         self.child.wait()
 
 
-@contextlib.contextmanager
-def peer_process(backend: Backend, nbytes: int) -> Iterator[PeerProcess]:
-    """A `PeerProcess` for the block, killed at its end."""
-    peer = PeerProcess(backend, nbytes)
-    try:
-        yield peer
-    finally:
-        peer.kill()
+class PeerPool:
+    """One peer process per backend, shared by a module's cases (each costs seconds to start).
+
+    `get` keeps it for the next case (a case that froze it resumes it); `take` hands it
+    over for good (a case that kills it).
+    """
+
+    NBYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self._peers: dict[str, PeerProcess] = {}
+
+    def get(self, backend: Backend) -> PeerProcess:
+        peer = self._peers.get(backend.label)
+        if peer is None or peer.child.poll() is not None:
+            peer = self._peers[backend.label] = PeerProcess(backend, self.NBYTES)
+        return peer
+
+    def take(self, backend: Backend) -> PeerProcess:
+        peer = self.get(backend)
+        del self._peers[backend.label]
+        return peer
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            peer.kill()
+        self._peers.clear()
