@@ -86,13 +86,17 @@ def test_a_stalled_slot_holder_is_cut_and_the_slot_serves_another_peer() -> None
         to_stalled = hub.connect(stalled.address())
         to_stalled.write(s, far.descriptor(), np.array([[0, 0, 4096]], np.int64), notify=b"stall")
         assert gate.entered.wait(WAIT)
-        flood = to_stalled.write(s, far.descriptor(), np.array([[0, 0, 16 << 20]], np.int64))
+        # More than the kernel buffers between the two (here up to 32 MiB of tcp_rmem and 4 MiB
+        # of tcp_wmem): the hub's stream must end up blocked in a send, holding the slot.
+        flood = [to_stalled.write(s, far.descriptor(), np.array([[0, 0, 16 << 20]], np.int64))
+                 for _ in range(4)]
         table = np.array([[0, 100, SLOT * 3]], np.int64)
         t0 = time.monotonic()
         hub.connect(live.address()).write(s, near.descriptor(), table).wait(WAIT)
         assert_landed(src, dst, table)
-        with pytest.raises(PeerLostError, match="taken for stalled"):
-            flood.wait(WAIT)
+        for handle in flood:
+            with pytest.raises(PeerLostError, match="taken for stalled"):
+                handle.wait(WAIT)
         assert time.monotonic() - t0 < WAIT
         assert hub.bounces.send.count == 1  # the one sending slot served both peers
     finally:
