@@ -24,6 +24,12 @@ Two kit classes carry it:
   (build its side of the link, return the `Welcome`), then `Refresh` and
   `Bye` until the link ends, when it fences itself. Sends (acks, `Gone`,
   replies) that fail fence the link: a sender that stopped reading is gone.
+  A progress thread acks with `ack_nowait`: the frame goes out only as far
+  as the socket takes it without waiting, the rest waits in the link
+  (bounded: a sender has at most its credits of transfers unacknowledged)
+  and goes on the next `flush_acks`, so one sender that stopped reading, or
+  a reply being sent to it, never holds up the thread that serves every
+  other link. A sender that takes none of it for `SEND_TIMEOUT` is fenced.
 
 `WIRE` is a module holding the backend's `CONTROL` protocol and its frame
 classes (`Hello`, `Welcome`, `Regions`) beside the shared ones below.
@@ -36,6 +42,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
@@ -227,6 +234,10 @@ class ControlInbound(InboundLink):
         self.sock = sock
         self.slot = slot  # our place in the listener's pre-handshake budget
         self.send_lock = threading.Lock()
+        self._ack_lock = threading.Lock()
+        self._acks: list[int] = []  # acked seqs not framed yet (ack_nowait)
+        self._unsent = b""  # the part of an ack frame the socket has not taken yet
+        self._stuck_since = 0.0  # when the socket last refused to take any of it
 
     # -- backend hooks ------------------------------------------------------------
     def admit(self, hello: Any) -> Any:
@@ -291,8 +302,57 @@ class ControlInbound(InboundLink):
                         self.table.name, self.sender, type(msg).TYPE, exc)
             self.fence()
 
+    def ack_nowait(self, seqs: list[int]) -> None:
+        """`ack`, for a progress thread: never waits on the socket or on another sender (see above)."""
+        if seqs:
+            with self._ack_lock:
+                self._acks.extend(seqs)
+        self.flush_acks()
+
+    @property
+    def unacked(self) -> bool:
+        """Acks are waiting for the socket (call `flush_acks` again)."""
+        return bool(self._acks or self._unsent)
+
+    def flush_acks(self) -> None:
+        """Push waiting acks as far as the socket takes them now; fence a sender stuck for SEND_TIMEOUT."""
+        if self.dead or not self.send_lock.acquire(blocking=False):
+            return  # a reply is being sent: the next call pushes
+        error: BaseException | None = None
+        try:
+            while True:
+                if not self._unsent:
+                    with self._ack_lock:
+                        seqs, self._acks = self._acks, []
+                    if not seqs:
+                        break
+                    self._unsent = self.WIRE.CONTROL.pack(Acks(np.asarray(seqs, dtype="<i8").tobytes()))
+                try:
+                    taken = self.sock.send(self._unsent, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    taken = 0
+                self._unsent = self._unsent[taken:]
+                if self._unsent:
+                    now = time.monotonic()
+                    if taken or not self._stuck_since:
+                        self._stuck_since = now
+                    elif now - self._stuck_since > SEND_TIMEOUT:
+                        error = TransferTimeout(f"the sender took no acks for {SEND_TIMEOUT} s")
+                    break
+                self._stuck_since = 0.0
+        except OSError as exc:
+            error = exc
+        finally:
+            self.send_lock.release()
+        if error is not None:
+            log.warning("%s: link from %s lost while sending acks: %s", self.table.name, self.sender, error)
+            self.fence()
+
     def _send(self, msg: Any) -> None:
         with self.send_lock:
+            if self._unsent:  # the rest of an ack frame goes first: frames never interleave
+                self.sock.sendall(self._unsent)
+                self._unsent = b""
             self.WIRE.CONTROL.send(self.sock, msg)
 
     def cut(self) -> None:
