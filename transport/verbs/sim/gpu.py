@@ -48,7 +48,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                        ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000  # Linux values (the mmap module has neither)
+MAP_FIXED, MAP_NORESERVE, PROT_NONE = 0x10, 0x4000, 0  # Linux values (the mmap module lacks them)
 RW = mmap.PROT_READ | mmap.PROT_WRITE
 WINDOW = 1 << 32  # address space reserved per GPU (virtual only)
 _FAILED = ctypes.c_void_p(-1).value
@@ -106,7 +106,7 @@ class CudaDouble:
         with self._lock:
             window = self._windows.get(gpu)
             if window is None:
-                window = self._windows[gpu] = [map_anonymous(WINDOW, prot=mmap.PROT_NONE), 0]
+                window = self._windows[gpu] = [map_anonymous(WINDOW, prot=PROT_NONE), 0]
             if at is None:
                 at, window[1] = window[0] + window[1], window[1] + size + mmap.PAGESIZE
             old = self._allocs.get(at)
