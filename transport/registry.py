@@ -88,10 +88,6 @@ def _load(name: str) -> Any:
         raise CapabilityError(f"transport {name!r} is not installed ({hint}): {exc}") from exc
 
 
-def _class(name: str) -> Any:
-    return _load(_resolve(name)[0])
-
-
 def available() -> list[str]:
     """Names of the backends that import on this machine (variants excluded: see `variants`)."""
     return [name for name in _BACKENDS if _importable(name)]
