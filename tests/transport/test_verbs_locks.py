@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from pdxfer.transport import control
-from pdxfer.transport.control import Acks, Gone, seqs_of
+from pdxfer.transport.control import Gone, seqs_of
 from pdxfer.transport.inbound import InboundTable
 from pdxfer.transport.verbs import build
 from pdxfer.transport.verbs import inbound as verbs_inbound
