@@ -256,3 +256,8 @@ class VerbsLink(ControlledLink):
     def qpns(self) -> list[int]:
         """This link's QP numbers, one per rail (tests, fault injection)."""
         return [r.qp.qp_num for r in self._rails]
+
+    @property
+    def qps(self) -> list[Any]:
+        """This link's QPs, one per rail (the hardware suite reads their address vectors back)."""
+        return [r.qp for r in self._rails]
