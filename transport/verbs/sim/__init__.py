@@ -2,9 +2,10 @@
 
 `verbs.py` mirrors the part of pyverbs' surface the backend uses, `nic.py`
 is the NIC thread that executes work requests as an RC HCA would (ordering,
-the revoke contract, limits, completion errors, fault injection).
-`net.py` the host and network it models (NICs, GPUs and their PCIe places,
-GID tables, subnets and routers), `gpu.py` the CUDA driver double.
+the revoke contract, limits, completion errors, fault injection), `net.py`
+the host and network it models (NICs, GPUs and their PCIe places, GID
+tables, subnets and routers), `gpu.py` the CUDA driver double, and
+`current.py` which fabric soft devices are made on.
 `SoftVerbsEngine` is the unchanged backend (`verbs.engine.VerbsEngine`)
 with `namespace()` as its verbs and the fabric's CUDA double and sysfs tree
 as its host: every `make test` runs the verbs code. `use(Fabric(topology))`
@@ -16,7 +17,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
-import pdxfer.transport.verbs.sim.nic as nic  # absolute: no import back to this package
+import pdxfer.transport.verbs.sim.current as current  # absolute: no import back to this package
+import pdxfer.transport.verbs.sim.nic as nic
 import pdxfer.transport.verbs.sim.verbs as soft
 
 from ...base import Capabilities
@@ -41,7 +43,7 @@ def fabric() -> Any:
 
 
 Fabric = nic.Fabric
-use = nic.use
+use = current.use
 
 
 class SoftVerbsEngine(VerbsEngine):

@@ -40,14 +40,13 @@ inline data, memory windows — the backend uses none of them.
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import itertools
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -428,32 +427,3 @@ class Fabric:
                 other.state = ERR
             return
         cq.entries.append((w.wr_id, status, opcode, nbytes, qp.qpn, qp, frees, send))
-
-
-_default: Fabric | None = None
-_current: list[Fabric] = []  # fabrics a test installed (`use`), innermost last
-_default_lock = threading.Lock()
-
-
-def default_fabric() -> Fabric:
-    """The fabric soft devices are made on now: the one a test installed, else the process's own."""
-    global _default
-    with _default_lock:
-        if _current:
-            return _current[-1]
-        if _default is None:
-            _default = Fabric()
-        return _default
-
-
-@contextlib.contextmanager
-def use(fabric: Fabric) -> Iterator[Fabric]:
-    """Make soft devices (and so verbs-sim engines) on `fabric` inside the block; close it after."""
-    with _default_lock:
-        _current.append(fabric)
-    try:
-        yield fabric
-    finally:
-        with _default_lock:
-            _current.remove(fabric)
-        fabric.close()

@@ -27,6 +27,7 @@ import errno
 import types
 from typing import Any
 
+import pdxfer.transport.verbs.sim.current as current
 import pdxfer.transport.verbs.sim.gpu as gpu_double  # absolute: `from . import` runs sim/__init__
 import pdxfer.transport.verbs.sim.net as net
 import pdxfer.transport.verbs.sim.nic as nic
@@ -83,7 +84,7 @@ def cqe_status_to_str(status: int) -> str:
 
 def fabric() -> nic.Fabric:
     """The fabric the soft devices of this process sit on (for fault injection in tests)."""
-    return nic.default_fabric()
+    return current.default_fabric()
 
 
 class _Attrs:
@@ -103,7 +104,7 @@ class Device(_Attrs):
 
 
 def get_device_list() -> list[Device]:
-    return [Device(name=n.name.encode()) for n in nic.default_fabric().net.topology.nics]
+    return [Device(name=n.name.encode()) for n in current.default_fabric().net.topology.nics]
 
 
 class DeviceAttr(_Attrs):
@@ -123,7 +124,7 @@ class GID:
 class Context:
     def __init__(self, name: str | bytes = "soft0") -> None:
         name = name.decode() if isinstance(name, bytes) else name
-        self.fabric = nic.default_fabric()
+        self.fabric = current.default_fabric()
         if self.fabric.net.nic(name) is None:
             raise PyverbsRDMAError(f"Failed to open device {name}", errno.ENODEV)
         self.name = name
