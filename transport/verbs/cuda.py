@@ -68,7 +68,7 @@ class CudaDriver:
     def __init__(self) -> None:
         self._cu: Any = None
         self._lock = threading.Lock()
-        self._contexts: dict[int, ctypes.c_void_p] = {}  # gpu -> retained primary context
+        self._contexts: dict[int, tuple] = {}  # gpu -> (retained primary context, CUdevice)
 
     def _lib(self) -> Any:
         if self._cu is None:
@@ -106,15 +106,19 @@ class CudaDriver:
 
     def bus_id(self, gpu: int) -> str:
         """The GPU's PCI bus id, e.g. "0000:18:00.0"."""
-        cu, dev, buf = self._lib(), ctypes.c_int(), ctypes.create_string_buffer(32)
-        _check(cu.cuDeviceGet(ctypes.byref(dev), gpu), f"cuDeviceGet({gpu})")
-        _check(cu.cuDeviceGetPCIBusId(buf, 32, dev), "cuDeviceGetPCIBusId")
+        buf = ctypes.create_string_buffer(32)
+        _check(self._lib().cuDeviceGetPCIBusId(buf, 32, self._device(gpu)), "cuDeviceGetPCIBusId")
         return buf.value.decode().lower()
 
-    def _attribute(self, gpu: int, attr: int) -> int:
-        cu, dev, value = self._lib(), ctypes.c_int(), ctypes.c_int()
+    def _device(self, gpu: int) -> ctypes.c_int:
+        cu, dev = self._lib(), ctypes.c_int()
         _check(cu.cuDeviceGet(ctypes.byref(dev), gpu), f"cuDeviceGet({gpu})")
-        _check(cu.cuDeviceGetAttribute(ctypes.byref(value), attr, dev), f"cuDeviceGetAttribute({attr})")
+        return dev
+
+    def _attribute(self, gpu: int, attr: int) -> int:
+        value = ctypes.c_int()
+        _check(self._lib().cuDeviceGetAttribute(ctypes.byref(value), attr, self._device(gpu)),
+               f"cuDeviceGetAttribute({attr})")
         return value.value
 
     def flush_needed(self, gpu: int) -> bool:
@@ -123,26 +127,26 @@ class CudaDriver:
                             self._attribute(gpu, CU_DEVICE_ATTRIBUTE_FLUSH_WRITES_OPTIONS)):
             return False
         with self._lock:
-            if gpu not in self._contexts:
-                ctx = ctypes.c_void_p()
-                _check(self._lib().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), gpu),
+            if gpu not in self._contexts:  # the flush targets the current context: torch's, the primary
+                dev, ctx = self._device(gpu), ctypes.c_void_p()
+                _check(self._lib().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev),
                        "cuDevicePrimaryCtxRetain")
-                self._contexts[gpu] = ctx
+                self._contexts[gpu] = (ctx, dev)
         return True
 
     def flush(self, gpu: int) -> None:
         """Block until every GPUDirect RDMA write to `gpu` so far is visible to it."""
         cu = self._lib()
-        _check(cu.cuCtxSetCurrent(self._contexts[gpu]), "cuCtxSetCurrent")
+        _check(cu.cuCtxSetCurrent(self._contexts[gpu][0]), "cuCtxSetCurrent")
         _check(cu.cuFlushGPUDirectRDMAWrites(FLUSH_TARGET_CURRENT_CTX, FLUSH_TO_OWNER),
                "cuFlushGPUDirectRDMAWrites")
 
     def close(self) -> None:
         """Release the primary contexts retained for flushing."""
         with self._lock:
-            gpus, self._contexts = list(self._contexts), {}
-        for gpu in gpus:
-            self._cu.cuDevicePrimaryCtxRelease_v2(gpu)
+            held, self._contexts = list(self._contexts.values()), {}
+        for _, dev in held:
+            self._cu.cuDevicePrimaryCtxRelease_v2(dev)
 
 
 def flush_policy(gpu: int, ordering: int, options: int) -> bool:
@@ -244,7 +248,8 @@ class Flushes:
 
     def flush(self) -> None:
         """Make every NIC write so far visible on each GPU that needs it (progress thread)."""
-        gpus = list(self._gpus)
+        with self._lock:
+            gpus = list(self._gpus)
         for gpu in gpus:
             self._driver.flush(gpu)
         self.done += len(gpus)
