@@ -24,12 +24,20 @@ Two kit classes carry it:
   (build its side of the link, return the `Welcome`), then `Refresh` and
   `Bye` until the link ends, when it fences itself. Sends (acks, `Gone`,
   replies) that fail fence the link: a sender that stopped reading is gone.
-  A progress thread acks with `ack_nowait`: the frame goes out only as far
-  as the socket takes it without waiting, the rest waits in the link
-  (bounded: a sender has at most its credits of transfers unacknowledged)
-  and goes on the next `flush_acks`, so one sender that stopped reading, or
-  a reply being sent to it, never holds up the thread that serves every
-  other link. A sender that takes none of it for `SEND_TIMEOUT` is fenced.
+  `hand_over(landed)` is the progress thread's one way to pass notes on:
+  the kit's delivery rule, then one `Acks` frame. With `block=False` (a
+  progress thread serving many links) the frame goes out only as far as the
+  socket takes it without waiting (`ack_nowait`); the rest waits in the
+  link (bounded: a sender has at most its credits of transfers
+  unacknowledged) and goes on the next `flush_acks`, so one sender that
+  stopped reading, or a reply being sent to it, never holds up the thread
+  that serves every other link. A sender that takes none of it for
+  `SEND_TIMEOUT` is fenced.
+* `LinkRegions`: every inbound control link is given every live region
+  (nixl registers it on the link's agent, verbs makes the link's MR), and
+  told `Gone` when one is deregistered. No lock is held while a link
+  registers (pinning may take seconds); see its docstring for why none is
+  needed.
 
 `WIRE` is a module holding the backend's `CONTROL` protocol and its frame
 classes (`Hello`, `Welcome`, `Regions`) beside the shared ones below.
@@ -54,6 +62,7 @@ from .errors import ClosedError, PeerLostError, ProtocolError, TransferTimeout, 
 from .inbound import InboundLink, InboundTable
 from .link import Link, LinkContext, Remote
 from .listener import Slot, read_hello
+from .regions import Region, RegionTable
 from .wire import ErrorMessage
 
 log = logging.getLogger(__name__)
@@ -251,6 +260,14 @@ class ControlInbound(InboundLink):
     def stop_path(self) -> None:
         """Stop the data path: return once no byte of this link can land (the fence's core)."""
 
+    def add_region(self, region: Region) -> None:
+        """Give this link's sender `region` (its registration on the link's data path)."""
+        raise NotImplementedError
+
+    def region_gone(self, region_id: int) -> None:
+        """Region `region_id` was deregistered (its registrations closed): tell the sender."""
+        self.send(Gone(region_id))
+
     # -- the link's thread ----------------------------------------------------------------
     def run(self) -> None:
         w = self.WIRE
@@ -286,6 +303,19 @@ class ControlInbound(InboundLink):
         self.fence()
 
     # -- what the receiver says ------------------------------------------------------------
+    def hand_over(self, landed: list[tuple[int, bytes | None]], *, block: bool = True) -> None:
+        """Deliver landed transfers' notifies (the kit's rule), then acknowledge them in one frame.
+
+        `block=False`: the ack never waits on the socket (`ack_nowait`); the
+        caller then calls `flush_acks` on later rounds while `unacked`.
+        """
+        if self.deliver(payload for _, payload in landed):
+            seqs = [seq for seq, _ in landed]
+            if block:
+                self.ack(seqs)
+            else:
+                self.ack_nowait(seqs)
+
     def ack(self, seqs: list[int]) -> None:
         """Tell the sender these transfers landed (after their notify was delivered)."""
         if seqs:
@@ -362,4 +392,44 @@ class ControlInbound(InboundLink):
         except OSError:
             pass
         self.sock.close()
+
+
+class LinkRegions:
+    """Every live region, given to every inbound control link of one engine.
+
+    No lock is held across a link's `add_region` (verbs pins memory there:
+    seconds for tens of GiB, which must not stall registrations for other
+    links or a new link's admission). None is needed, because a region is in
+    the `RegionTable` before `registered` runs and a link is identified
+    before `admit` runs: whichever of the two snapshots misses the other,
+    the later one includes it, and a pair both reach is registered once
+    (`add_region` is idempotent under the link's own lock). A link still
+    being admitted has not sent its `Welcome`, and `register()` returns —
+    so a sender can name the region — only after `registered` finished.
+    """
+
+    def __init__(self, regions: RegionTable, inbound: InboundTable, kind: type[ControlInbound]) -> None:
+        self._regions, self._inbound, self._kind = regions, inbound, kind
+
+    def links(self) -> list[ControlInbound]:
+        """The live, identified inbound links of this engine's kind."""
+        return [link for link in self._inbound.links()
+                if isinstance(link, self._kind) and not link.dead and link.sender is not None]
+
+    def registered(self, region: Region) -> None:
+        """A region was registered: give it to every link (no lock held)."""
+        for link in self.links():
+            link.add_region(region)
+
+    def admit(self, link: ControlInbound) -> list[Region]:
+        """A new link: give it every live region; those regions (no lock held)."""
+        regions = self._regions.live()
+        for region in regions:
+            link.add_region(region)
+        return regions
+
+    def deregistered(self, region: Region) -> None:
+        """A region was deregistered (its registrations closed): tell every link."""
+        for link in self.links():
+            link.region_gone(region.region_id)
 

@@ -79,9 +79,9 @@ MUTATIONS = [
      "            if False:\n                mr.close()", [T + "test_verbs_backend.py"]),
     ("V2", "transport/verbs/engine.py", "        return replace(cls.capabilities, fence=fence == \"mr\")",
      "        return replace(cls.capabilities, fence=True)", kit("verbs and drop_peer_is_a_fence_or_refuses")),
-    ("V3", "transport/verbs/progress.py", "            if peer.deliver(payload for _, payload in notes):\n                peer.ack",
-     "            for _, payload in notes:\n                if payload is not None:\n                    self._inbound.notify(peer.sender, payload)\n            if True:\n                peer.ack",
-     kit("verbs and no_notify_starts")),
+    ("K17", "transport/control.py", "        if self.deliver(payload for _, payload in landed):\n            self.ack",
+     "        for _, payload in landed:\n            if payload is not None:\n                self.table.notify(self.sender, payload)\n        if True:\n            self.ack",
+     kit("(nixl or verbs) and no_notify_starts")),
     # -- layout's planner ------------------------------------------------------------------------
     ("P1", "layout/segments.py", "    if src.size < 2 or (src[1:] >= src[:-1]).all():\n        return None",
      "    if src.size < 2:\n        return None\n    return np.argsort(src, kind='stable')[::-1]",

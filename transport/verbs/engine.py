@@ -46,6 +46,7 @@ import pdxfer.transport.verbs.nics as nics
 import pdxfer.transport.verbs.topology as topology
 
 from ..base import Capabilities
+from ..control import LinkRegions
 from ..engine import EngineBase
 from ..errors import CapabilityError
 from ..link import Link
@@ -57,7 +58,6 @@ from .inbound import InboundPeer
 from .mem import access_flags, prepare, register_mr
 from .progress import Progress
 from .send import VerbsLink
-from .wire import Gone
 
 log = logging.getLogger(__name__)
 MAX_SGE = 16  # more SGEs per WR buys little and costs WQE size
@@ -145,8 +145,9 @@ class VerbsEngine(EngineBase):
         self._choosing = threading.Lock()
         self._gpus_checked: set[int] = set()
         self._dmabufs, self._flushes = DmaBufs(self._cuda), Flushes(self._cuda)
+        self._shared = LinkRegions(self.regions, self.inbound, InboundPeer)  # every link, every region
         self._serial = itertools.count(1)
-        self._progress = Progress(self.engine_id, self.outbound, self.inbound, self._flushes)
+        self._progress = Progress(self.engine_id, self.outbound, self._shared, self._flushes)
         try:
             if self._pinned or len(self._ports) == 1:  # nothing for a GPU to decide later
                 self._device(None)
@@ -223,8 +224,7 @@ class VerbsEngine(EngineBase):
             self._check_nic(alloc.gpu)
         mr, base = register_mr(dev.api, dev.pd, region, access_flags(dev.api, dev.fence == "qp"))
         region.adopt("mr", LocalMR(mr, base))
-        for peer in self._peers():  # no engine lock: each link registers its MR on its own
-            peer.add_region(region)
+        self._shared.registered(region)  # no engine lock: each link registers its MR on its own
 
     def _check_nic(self, gpu: int) -> None:
         """Warn once per GPU whose memory is registered on a NIC other than its nearest."""
@@ -239,18 +239,7 @@ class VerbsEngine(EngineBase):
                         p.device, p.port_num, p.why, best.device, best.port_num, why)
 
     def on_deregister(self, region: Region) -> None:
-        for peer in self._peers():
-            peer.forget_region(region.region_id)
-            peer.send(Gone(region.region_id))
-
-    def _peers(self) -> list[InboundPeer]:
-        return [p for p in self.inbound.links() if isinstance(p, InboundPeer) and not p.dead]
-
-    def _admit(self, peer: InboundPeer) -> list[Region]:
-        regions = self.regions.live()
-        for region in regions:
-            peer.add_region(region)
-        return regions
+        self._shared.deregistered(region)
 
     # -- links ------------------------------------------------------------------------------
     def open_link(self, address: dict[str, Any]) -> Link:
@@ -266,7 +255,7 @@ class VerbsEngine(EngineBase):
             sock.close()
             return
         peer = InboundPeer(self.inbound, sock, where, slot, engine_id=self.engine_id,
-                           serial=next(self._serial), dev=dev, admit=self._admit)
+                           serial=next(self._serial), dev=dev, admit=self._shared.admit)
         if not (self.inbound.track(peer) and peer.start(peer.run, f"verbs-in {where}")):
             slot.admitted()  # closing: nothing more is served
             sock.close()

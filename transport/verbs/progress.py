@@ -12,11 +12,11 @@ Per round, the notes that arrived are delivered in three steps:
    order NIC writes, `cuda.Flushes.flush()` makes every write placed so far
    visible to the GPU (`cuFlushGPUDirectRDMAWrites`) — once per round, for
    all links' notes together — before any notify of them runs;
-2. **notify**, through the kit's `InboundLink.deliver` (never after a
-   fence), on this thread and outside every link lock, so a handler may call
-   `drop_peer`;
-3. **ack**, with `ack_nowait`: the thread never waits on a sender's socket
-   (acks the socket does not take now go on a later round, `flush_acks`).
+2. **notify** and **ack**, through the kit's `ControlInbound.hand_over`:
+   delivery by the kit's rule (never after a fence), on this thread and
+   outside every link lock, so a handler may call `drop_peer`; then an ack
+   with `block=False`, so the thread never waits on a sender's socket (acks
+   the socket does not take now go on a later round, `flush_acks`).
 
 Nothing here takes the engine's locks or waits on a peer: one stalled
 sender delays no other link's completions.
@@ -27,11 +27,10 @@ from __future__ import annotations
 import logging
 import threading
 
+from ..control import LinkRegions
 from ..engine import Outbound
 from ..errors import TransportError
-from ..inbound import InboundTable
 from .cuda import Flushes
-from .inbound import InboundPeer
 
 log = logging.getLogger(__name__)
 IDLE_POLL = 0.002  # longest sleep of an idle progress thread (s)
@@ -41,8 +40,8 @@ JOIN_TIMEOUT = 5.0
 class Progress:
     """The thread that polls one engine's completion queues."""
 
-    def __init__(self, name: str, outbound: Outbound, inbound: InboundTable, flushes: Flushes) -> None:
-        self._outbound, self._inbound, self._flushes = outbound, inbound, flushes
+    def __init__(self, name: str, outbound: Outbound, links: LinkRegions, flushes: Flushes) -> None:
+        self._outbound, self._links, self._flushes = outbound, links, flushes
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"verbs-progress {name}")
@@ -79,9 +78,7 @@ class Progress:
         for link in self._outbound.links():
             busy |= link.poll()
         arrived = []
-        for peer in self._inbound.links():
-            if not isinstance(peer, InboundPeer) or peer.dead or peer.sender is None:
-                continue
+        for peer in self._links.links():
             if peer.unacked:
                 peer.flush_acks()
             notes = peer.poll()
@@ -99,6 +96,5 @@ class Progress:
                     peer.fence()
                 return True
         for peer, notes in arrived:
-            if peer.deliver(payload for _, payload in notes):
-                peer.ack_nowait([seq for seq, _ in notes])
+            peer.hand_over(notes, block=False)  # the kit's delivery rule, then an ack that never waits
         return True
