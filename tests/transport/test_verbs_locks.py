@@ -169,7 +169,14 @@ def test_registering_a_region_for_one_link_stalls_no_other_links_completions(
         assert time.monotonic() - t0 < QUICK
         assert peer_a.lock.acquire(timeout=QUICK), "the link's lock is held while its MR registers"
         peer_a.lock.release()
+        other = threading.Thread(target=rx.register, args=(torch.zeros(4096, dtype=torch.uint8),))
+        other.start()  # another region, registered for every link meanwhile
+        other.join(QUICK)
+        assert not other.is_alive(), "a registration waited for another link's pinning"
+        with transport.create("verbs-sim") as late:  # and a new sender is admitted meanwhile
+            late_src = late.register(torch.ones(4096, dtype=torch.uint8))
+            late.connect(rx.address()).write(late_src, dst.descriptor(), _table()).wait(QUICK)
     finally:
         release.set()
         registering.join(WAIT)
-    assert len(rx.regions.live()) == 2
+    assert len(rx.regions.live()) == 3
