@@ -16,13 +16,13 @@ held up, the waiting request's decode would declare the prefill lost.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
 from pdxfer.transport import TransferTimeout
 from pdxfer.transport import link as link_module
+from pdxfer.transport.testing.cases_engine import Producer  # a stand-in event: `query()` only
 from pdxfer_testkit import build_pools, config, entries_crc, poll_or_none, until
 
 from pdxfer import DecodeEngine, KVPoll, PrefillEngine
@@ -30,17 +30,6 @@ from pdxfer.pools import PoolSet
 
 LIVENESS = 0.5
 WAIT = 20.0
-
-
-class Producer:
-    """Stands in for a producer's CUDA event: not reached until the test says so."""
-
-    def __init__(self) -> None:
-        self.reached, self.asked = threading.Event(), threading.Event()
-
-    def query(self) -> bool:
-        self.asked.set()
-        return self.reached.is_set()
 
 
 def test_send_with_an_unreached_event_returns_at_once_and_poll_and_heartbeats_go_on(monkeypatch) -> None:
