@@ -23,7 +23,9 @@ on one switch. So here:
   the one that reaches zero drops the packet). InfiniBand without a GRH is
   routed by LID within one subnet. The NIC thread asks this both ways —
   requests out, ACKs back — and retries, then fails `RETRY_EXC_ERR`, as a
-  requester that hears nothing does.
+  requester that hears nothing does. (Simplified: when only the ACK path
+  is broken, hardware may still place the bytes before the requester gives
+  up; here nothing is placed. The transfer fails either way.)
 * `write_sysfs(root)` writes the PCIe tree as sysfs shows it
   (`devices/pci0000:00/.../0000:03:00.0/numa_node`,
   `class/infiniband/<nic>/device`, `bus/pci/devices/<bus id>`), so the
