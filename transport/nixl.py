@@ -91,6 +91,15 @@ class NixlEngine(SocketPeers, TransportEngine):
         one_sided=False, notify=True, read=False,
     )
 
+    @classmethod
+    def capabilities_for(cls, options: Any) -> Capabilities:
+        tls = options.get("tls", "tcp")
+        tls = FULL_TLS if tls is None else check_tls(tls)
+        fenceable = tls in FENCEABLE_TLS
+        return dataclasses.replace(cls.capabilities, cuda_memory=cuda_tls(tls),
+                                   cuda_zero_copy=cuda_tls(tls), one_sided=not fenceable,
+                                   fence=fenceable)
+
     def __init__(
         self,
         host: str = "127.0.0.1",

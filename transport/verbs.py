@@ -62,6 +62,10 @@ class VerbsEngine(SocketPeers, TransportEngine):
 
     MAX_RAILS = 16
 
+    @classmethod
+    def capabilities_for(cls, options: Any) -> Capabilities:
+        return replace(cls.capabilities, fence=options.get("fence", "mr") == "mr")
+
     @staticmethod
     def _load_api() -> Any:
         return verbs_api.load()

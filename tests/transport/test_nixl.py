@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 from pdxfer.transport import CapabilityError, ProtocolError, RegistrationError, TransportError
-from segment_tables import CANARY, assert_landed
-from transport_rig import WAIT, Rig
+from pdxfer.transport.testing import Backend, Rig
+from pdxfer.transport.testing.rig import WAIT
+from pdxfer.transport.testing.tables import CANARY, assert_landed
 
 from pdxfer import transport
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def rig():
-    r = Rig("nixl")
+    r = Rig(Backend.named("nixl"))
     try:
         yield r
     finally:

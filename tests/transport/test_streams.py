@@ -19,7 +19,7 @@ import pytest
 import torch
 from pdxfer.transport import CapabilityError, TransferTimeout
 from pdxfer.transport.streams import CopyStream, capture, host_wait
-from segment_tables import CANARY, assert_landed, random_table
+from pdxfer.transport.testing.tables import CANARY, assert_landed, random_table
 
 from pdxfer import transport
 
@@ -76,8 +76,8 @@ def _engines(**opts: object) -> tuple[transport.TransportEngine, transport.Trans
 
 
 def _bounces(tx: transport.TransportEngine, rx: transport.TransportEngine) -> list:
-    conn = next(iter(tx._outbound.values()))
-    return [s.bounce for s in conn._streams] + [s._bounce for s in rx._inbound]
+    (conn,) = tx.outbound.links()
+    return [s.bounce for s in conn.streams] + [s.bounce for s in rx.inbound.links()]
 
 
 def test_bounce_buffers_are_allocated_at_connect_and_accept_not_in_a_transfer() -> None:
@@ -117,8 +117,8 @@ def test_registering_cuda_memory_pins_every_stream_at_once() -> None:
         tx.connect(rx.address())
         assert not any(b.allocated for b in _bounces(tx, rx))
         tx.register(torch.zeros(1 << 20, dtype=torch.uint8, device="cuda"))
-        conn = next(iter(tx._outbound.values()))
-        assert all(s.bounce.allocated for s in conn._streams)
+        (conn,) = tx.outbound.links()
+        assert all(s.bounce.allocated for s in conn.streams)
     finally:
         tx.close()
         rx.close()
@@ -149,17 +149,21 @@ def test_a_side_stream_producer_hands_over_an_event(backend: str) -> None:
 
 
 class _Event:
-    """Stands in for the CUDA event `capture` returns: only its identity is looked at here."""
+    """Stands in for the CUDA event `capture` returns: already reached; its identity is what is checked."""
+
+    def query(self) -> bool:
+        return True
 
 
 def test_the_event_captured_in_write_reaches_the_copy_on_the_io_thread(monkeypatch) -> None:
     # The plumbing a GPU needs, on the host: tcp's bounce path (force_bounce)
     # is the CUDA path's code; `capture` is what turns `ready` into an event
     # on the caller's thread, and the copy must wait on exactly that one.
-    from pdxfer.transport import tcp_io, tcp_send
+    from pdxfer.transport import link
+    from pdxfer.transport.tcp import io as tcp_io
 
     event, seen = _Event(), []
-    monkeypatch.setattr(tcp_send, "capture", lambda ready, device: event if ready == "R" else None)
+    monkeypatch.setattr(link, "capture", lambda ready, device: event if ready == "R" else None)
     gather = tcp_io.Bounce.gather
     monkeypatch.setattr(tcp_io.Bounce, "gather", lambda self, src, rows, column, ready=None: (
         seen.append((ready, threading.current_thread().name)), gather(self, src, rows, column))[1])

@@ -12,7 +12,9 @@ one TCP stream is bound to one core's worth of copying.
 memory, so CUDA bytes pass through a pinned host buffer of fixed size, in
 batches that fit it, each moved by a few batched device ops on the
 stream's own copy stream (never a device-wide synchronise). Host memory never takes this path (except when a test
-forces it, to exercise the code on a machine without a GPU).
+forces it, to exercise the code on a machine without a GPU). `Bounces` is
+the engine's set of them: the one place that decides when they are pinned
+(and where #23's one bounded pool per engine, shared by every link, goes).
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ import itertools
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
-from .device_copy import copy_rows
-from .segments import balanced_parts, split_rows
-from .streams import CopyStream, cuda_device
+from ..device_copy import copy_rows
+from ..segments import balanced_parts, split_rows
+from ..streams import CopyStream, cuda_device
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 # Below this a transfer goes whole on one stream: splitting costs more
@@ -194,6 +197,42 @@ class Bounce:
         buf = self._buffer()
         table, _ = _packed(rows, column, to_buffer=False)
         self.copies.run(cuda_device(dst), None, lambda: copy_rows(buf, dst, table))
+
+
+class Bounces:
+    """One engine's bounce buffers: pinned when the engine first holds CUDA memory, never before.
+
+    `new()` is called when a stream is made (connect, accept): the buffer is
+    allocated at once if the engine already holds CUDA memory (or
+    `force_bounce`), else on `cuda_registered()`, which allocates every
+    buffer made so far — never inside a transfer or a landing. Host-only
+    engines never pin a byte.
+    """
+
+    def __init__(self, nbytes: int, *, force: bool) -> None:
+        self.nbytes = nbytes
+        self.force = force  # host memory takes the bounce path too (tests without a GPU)
+        self._pinned = torch.cuda.is_available()
+        self._lock = threading.Lock()
+        self._all: weakref.WeakSet[Bounce] = weakref.WeakSet()
+        self._active = force
+
+    def new(self) -> Bounce:
+        bounce = Bounce(self.nbytes, self._pinned)
+        with self._lock:
+            self._all.add(bounce)
+            now = self._active
+        if now:
+            bounce.allocate()
+        return bounce
+
+    def cuda_registered(self) -> None:
+        """The engine registered CUDA memory: allocate every buffer now (idempotent)."""
+        with self._lock:
+            first, self._active = not self._active, True
+            pending = list(self._all) if first else []
+        for bounce in pending:
+            bounce.allocate()
 
 
 def _packed(rows: np.ndarray, column: int, *, to_buffer: bool) -> tuple[np.ndarray, int]:

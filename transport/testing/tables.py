@@ -1,7 +1,8 @@
-"""Test helpers: random segment tables, canary fills and the checks that go with them.
+"""The kit's tables: random segment tables, canary fills and the checks that go with them.
 
-Named for what it holds (not `helpers.py`) because pytest puts each test
-directory on `sys.path` and a second `helpers.py` elsewhere would shadow it.
+Every conformance case that moves bytes checks them the same way: the
+destination starts as `CANARY`, and `assert_landed` proves every row's bytes
+arrived (checksums) and every other byte is still canary.
 """
 
 from __future__ import annotations

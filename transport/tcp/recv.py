@@ -1,26 +1,26 @@
 """The receiving half of a tcp link: check each header, then land its payload in place.
 
-One `InboundStream` thread per accepted socket. Every `Segments` header is
-checked against the region we registered — region known, every range inside
-it, no two overlapping (vectorised, `segments.check_ranges`) — before one
-byte of its payload is read; then `recvmsg_into` fills the destination slices
-directly, hundreds per call. A header that fails the check means not one byte
-of that payload is read: the peer gets `Refused` (or the wire's
-`ErrorMessage` for a malformed frame), the reason is logged, and the stream
-is closed.
+One `InboundStream` (a kit `InboundLink`) and its thread per accepted socket.
+The first frame is read through the listener's capped `read_hello`. Every
+`Segments` header is checked against the region we registered — region
+known, every range inside it, no two overlapping (vectorised,
+`segments.check_ranges`) — before one byte of its payload is read; then
+`recvmsg_into` fills the destination slices directly, hundreds per call. A
+header that fails the check means not one byte of that payload is read: the
+peer gets `Refused` (or the wire's `ErrorMessage` for a malformed frame),
+the reason is logged, and the stream is closed.
 
-Streams of one sending link share a `LinkState` that counts stripe ends per
-transfer; the stream that lands a transfer's last stripe delivers its notify
-and sends the `Ack`, so both follow every byte of every stripe.
+Streams of one sending link share a `LinkState` (kept by `Links`, the
+engine's table of them) that counts stripe ends per transfer; the stream
+that lands a transfer's last stripe delivers its notify (through the kit's
+`deliver`, so never after a fence) and sends the `Ack`, so both follow every
+byte of every stripe.
 
-The fence (`fence()`, used by `drop_peer` and `close`): set `dropped`, shut the
-socket down (which wakes a blocked recv), then take the landing lock, which a
-stream holds for the whole of each payload read and of each notify delivery,
-and under which it checks `dropped` first. When `fence()` returns no byte of
-that stream lands again and no notify of it starts or is still running —
-except one whose handler itself called `drop_peer`/`close` (the lock is
-re-entrant for exactly that). Trap: a handler that waits for *another*
-thread's `drop_peer` of the same peer would deadlock; handlers must stay short.
+The fence is the kit's (`InboundLink.fence`): `cut()` shuts the socket down
+(waking a blocked recv), then the kit takes `guard`, which a stream holds
+for the whole of each payload read and of each notify delivery, and under
+which it checks `dead` first. A stream that reads its socket's EOF has
+landed everything the peer sent: it ends and settles.
 """
 
 from __future__ import annotations
@@ -32,11 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PeerLostError, ProtocolError, TransferTimeout
-from .listener import Slot
-from .segments import check_ranges
-from .tcp_io import recv_all, slices
-from .tcp_wire import (
+from ..errors import PeerLostError, ProtocolError, TransferTimeout
+from ..inbound import InboundLink, InboundTable
+from ..listener import Slot, read_hello
+from ..regions import RegionTable
+from ..segments import check_ranges
+from ..wire import ErrorMessage
+from .io import Bounces, recv_all, slices
+from .wire import (
     MAX_ROWS,
     PROTOCOL,
     Ack,
@@ -48,7 +51,6 @@ from .tcp_wire import (
     StripeEnd,
     Welcome,
 )
-from .wire import HANDSHAKE_MAX_FRAME, ErrorMessage
 
 log = logging.getLogger(__name__)
 MAX_STREAMS = 64
@@ -90,42 +92,52 @@ class LinkState:
             return True, entry[2]
 
 
-class InboundStream:
+class Links:
+    """The engine's `LinkState`s by link id: what the streams of one sending link share."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[str, LinkState] = {}
+
+    def attach(self, link: str, streams: int) -> LinkState:
+        with self._lock:
+            state = self._states.get(link)
+            if state is None:
+                state = self._states[link] = LinkState(streams)
+            if state.streams != streams:
+                raise ProtocolError(f"link {link} announced {streams} streams after {state.streams}")
+            state.refs += 1
+            return state
+
+    def detach(self, link: str) -> None:
+        with self._lock:
+            state = self._states.get(link)
+            if state is not None:
+                state.refs -= 1
+                if state.refs == 0:
+                    del self._states[link]
+
+
+class InboundStream(InboundLink):
     """One accepted socket: handshake, then headers and payloads until EOF or fence."""
 
-    def __init__(self, engine: Any, sock: socket.socket, peer: str, slot: Slot) -> None:
-        self.engine = engine  # the owning TcpEngine: regions, notify delivery, link table
+    def __init__(self, table: InboundTable, sock: socket.socket, where: str, slot: Slot, *,
+                 engine_id: str, regions: RegionTable, links: Links, bounces: Bounces) -> None:
+        super().__init__(table, f"tcp stream from {where}")
         self.sock = sock
         self.slot = slot  # our place in the listener's pre-handshake budget
-        self.where = f"tcp stream from {peer}"
-        self.sender: str | None = None
-        self.state: LinkState | None = None
-        self.link = ""  # the sending link's id, set by the engine on attach
-        self.dropped = False
-        self.landing = threading.RLock()
+        self._engine_id = engine_id
+        self._regions = regions
+        self._links = links
+        self._bounces = bounces
+        self._state: LinkState | None = None
         self._sock_lock = threading.Lock()
-        self._bounce = engine.new_bounce()
+        self.bounce = bounces.new()
         self._transfer: int | None = None  # the transfer whose stripe is arriving
         self._got = 0
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"tcp-recv {peer}")
 
-    def start(self) -> None:
-        self.thread.start()
-
-    def join(self, timeout: float) -> None:
-        """Wait (bounded) for the stream's thread: close() joins what the engine started."""
-        # not started: close() won the race with the accept, which then closes it
-        if threading.current_thread() is not self.thread and self.thread.ident is not None:
-            self.thread.join(timeout)
-
-    def fence(self) -> None:
-        """Stop this stream for good: after return, no byte of it lands."""
-        self.dropped = True
-        self._shutdown()
-        with self.landing:
-            pass
-
-    def _shutdown(self) -> None:
+    # -- the kit's hooks ------------------------------------------------------------
+    def cut(self) -> None:
         with self._sock_lock:
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)
@@ -139,7 +151,7 @@ class InboundStream:
         except (PeerLostError, OSError):
             pass
 
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             self._serve()
         except (PeerLostError, TransferTimeout) as exc:
@@ -154,39 +166,37 @@ class InboundStream:
             log.exception("closing %s after an internal error", self.where)
             self._say(ErrorMessage(reason=f"internal error: {exc}"))
         finally:
-            self.dropped = True
             self.slot.admitted()
-            self.engine._detach(self)
-            self._shutdown()
+            self.cut()
+            self.ended()
+            if self._state is not None and self.incarnation is not None:
+                self._links.detach(self.incarnation)
             with self._sock_lock:
                 self.sock.close()
 
     def _serve(self) -> None:
-        # the listener set the handshake timeout; until Welcome, frames are capped small
-        hello = PROTOCOL.recv(self.sock, HANDSHAKE_MAX_FRAME)
-        if not isinstance(hello, Hello):
-            raise ProtocolError(f"expected hello as the first frame, got {type(hello).TYPE}")
+        hello = read_hello(self.sock, PROTOCOL, Hello)
         if not (1 <= hello.streams <= MAX_STREAMS and 0 <= hello.stream < hello.streams):
             raise ProtocolError(
                 f"hello names stream {hello.stream} of {hello.streams}; at most {MAX_STREAMS} streams"
             )
-        self.sender = hello.engine
         self.where = f"tcp stream {hello.stream} from engine {hello.engine}"
-        self.state = self.engine._attach(self, hello.link, hello.streams)
-        PROTOCOL.send(self.sock, Welcome(engine=self.engine.engine_id))
+        self.identify(hello.engine, hello.link)
+        self._state = self._links.attach(hello.link, hello.streams)
+        PROTOCOL.send(self.sock, Welcome(engine=self._engine_id))
         self.sock.settimeout(None)
         self.slot.admitted()
         try:
-            while not self.dropped:
+            while not self.dead:
                 msg = PROTOCOL.recv(self.sock)
-                if self.dropped:
+                if self.dead:
                     return
                 if isinstance(msg, Segments):
                     self._segments(msg)
                 elif isinstance(msg, StripeEnd):
                     self._stripe_end(msg)
                 elif isinstance(msg, RegionQuery):
-                    region = self.engine.regions.get(msg.region)
+                    region = self._regions.get(msg.region)
                     PROTOCOL.send(self.sock, RegionReply(
                         query=msg.query, region=msg.region,
                         length=region.length if region is not None else -1,
@@ -204,10 +214,10 @@ class InboundStream:
             raise ProtocolError(
                 f"segments of transfer {msg.transfer} inside the stripe of transfer {self._transfer}"
             )
-        region = self.engine.regions.get(msg.region)
+        region = self._regions.get(msg.region)
         if region is None:
             raise _Refusal(msg.transfer, "region",
-                           f"engine {self.engine.engine_id} has no region {msg.region}")
+                           f"engine {self._engine_id} has no region {msg.region}")
         raw = msg.ranges
         if not raw or len(raw) % 16 or len(raw) // 16 > MAX_ROWS:
             raise ProtocolError(
@@ -216,15 +226,15 @@ class InboundStream:
         ranges = np.frombuffer(raw, dtype="<i8").reshape(-1, 2).astype(np.int64)
         what = f"transfer {msg.transfer} into region {msg.region}"
         nbytes = check_ranges(ranges, region.length, what)
-        with self.landing:
-            if self.dropped:
+        with self.guard:
+            if self.dead:
                 return
-            if region.view is not None and not self.engine.force_bounce:
+            if region.view is not None and not self._bounces.force:
                 recv_all(self.sock, *slices(region.view, ranges[:, 0], ranges[:, 1]))
             else:
-                for batch in self._bounce.plan(ranges, MAX_ROWS):
-                    recv_all(self.sock, [self._bounce.space(int(batch[:, 1].sum()))])
-                    self._bounce.scatter(region.data, batch, 0)
+                for batch in self.bounce.plan(ranges, MAX_ROWS):
+                    recv_all(self.sock, [self.bounce.space(int(batch[:, 1].sum()))])
+                    self.bounce.scatter(region.data, batch, 0)
         self._got += nbytes
 
     def _stripe_end(self, msg: StripeEnd) -> None:
@@ -234,20 +244,16 @@ class InboundStream:
             raise ProtocolError(
                 f"transfer {msg.transfer}: stripe claims {msg.nbytes} B, {self._got} B arrived"
             )
-        assert self.state is not None
-        if not 1 <= msg.stripes <= self.state.streams:
+        assert self._state is not None
+        if not 1 <= msg.stripes <= self._state.streams:
             raise ProtocolError(
-                f"transfer {msg.transfer} claims {msg.stripes} stripes over {self.state.streams} streams"
+                f"transfer {msg.transfer} claims {msg.stripes} stripes over {self._state.streams} streams"
             )
         self._transfer, self._got = None, 0
-        done, notify = self.state.stripe_done(msg.transfer, msg.stripes, msg.notify)
+        done, notify = self._state.stripe_done(msg.transfer, msg.stripes, msg.notify)
         if not done:
             return
-        # The notify starts under the landing lock, so a fence either waits it
-        # out or keeps it from starting (re-entrant: the handler may drop_peer).
-        with self.landing:
-            if self.dropped:
-                return
-            if notify is not None:
-                self.engine._deliver(self.sender, notify)
+        # The kit's delivery rule: under `guard`, never once the stream is fenced.
+        if not self.deliver((notify,)):
+            return
         PROTOCOL.send(self.sock, Ack(transfer=msg.transfer))

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .wire import DEFAULT_MAX_FRAME, Protocol
+from ..wire import DEFAULT_MAX_FRAME, Protocol
 
 VERSION = 1
 # Rows per Segments frame: a header plus this many payload buffers (plus a
