@@ -35,8 +35,8 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "loopback": (".loopback", "LoopbackEngine", "built in"),
     "tcp": (".tcp", "TcpEngine", "built in"),
     "nixl": (".nixl", "NixlEngine", "pip install nixl-cu12 (bundles UCX)"),
-    "verbs": (".verbs_hw", "VerbsEngine", "python3-pyverbs and an ACTIVE RDMA port"),
-    "verbs-sim": (".verbs", "SoftVerbsEngine", "built in: the software verbs fabric"),
+    "verbs": (".verbs.hw", "VerbsEngine", "python3-pyverbs and an ACTIVE RDMA port"),
+    "verbs-sim": (".verbs.sim", "SoftVerbsEngine", "built in: the software verbs fabric"),
 }
 
 # Named variants: name -> (backend, the options it pins).
@@ -86,10 +86,6 @@ def _load(name: str) -> Any:
         return getattr(importlib.import_module(module, __package__), cls)
     except ImportError as exc:
         raise CapabilityError(f"transport {name!r} is not installed ({hint}): {exc}") from exc
-
-
-def _class(name: str) -> Any:
-    return _load(_resolve(name)[0])
 
 
 def available() -> list[str]:

@@ -26,7 +26,7 @@ from pdxfer.transport.tcp import recv as tcp_recv
 from pdxfer.transport.testing import Backend, Rig, StepGate
 from pdxfer.transport.testing.rig import SRC_BYTES, WAIT
 
-FENCE_WAIT = 2.0
+FENCE_WAIT = 1.0
 
 
 def _drop_while_gated(rig: Rig, gate: StepGate) -> np.ndarray:

@@ -9,10 +9,6 @@ cannot run skips with the capability it lacks.
 
 from __future__ import annotations
 
-from pdxfer.transport import registry
-from pdxfer.transport.engine import EngineBase
 from pdxfer.transport.testing import conformance, registry_backends
 
-# transitional: the backends already on the kit
-ON_KIT = [b for b in registry_backends() if issubclass(registry._class(b.spawn[0]), EngineBase)]
-globals().update(conformance(ON_KIT))
+globals().update(conformance(registry_backends()))

@@ -17,14 +17,14 @@ import subprocess
 import sys
 
 import pytest
-from pdxfer.transport import registry
-from pdxfer.transport.engine import EngineBase
 from pdxfer.transport.listener import family_for
 
 from pdxfer import transport
 
-LISTENING = [name for name in transport.available() if transport.capabilities(name).listens
-             and issubclass(registry._class(name), EngineBase)]  # transitional
+# Every listening backend shares the kit's one Listener and first-frame read; the fuzz (a
+# subprocess, ~10 s each) runs on tcp (it alone has the post-handshake case) and nixl (the
+# largest control frame), as before the kit; the kit's listener cases run on all of them.
+LISTENING = [name for name in ("tcp", "nixl") if name in transport.available()]
 FUZZ = pathlib.Path(__file__).with_name("fuzz_listeners.py")
 RSS_BOUND_MIB = 50
 

@@ -1,10 +1,10 @@
 """The stream contract (`transport.streams`) and the bounce buffers' allocation time.
 
-What runs here without a GPU: the refusals (readiness for host memory), the
-bounded host wait (driven by a stand-in that has exactly the one method it
-uses, `query`), host copies through `CopyStream`, when tcp pins its bounce
-buffers, and a guard that no device-wide synchronise is back on the data
-path. The CUDA halves — a producer on a side stream handing over an event —
+What runs here without a GPU: the refusals (readiness for host memory),
+host copies through `CopyStream`, when tcp pins its bounce buffers, and a
+guard that no device-wide synchronise is back on the data path. (How an
+unready producer waits in its link's post queue is a kit case, driven by a
+stand-in with `query()`: `transport/testing/cases_engine.py`.) The CUDA halves — a producer on a side stream handing over an event —
 run where a GPU is, and skip here with the reason.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pdxfer.transport import CapabilityError, TransferTimeout
-from pdxfer.transport.streams import CopyStream, capture, host_wait
+from pdxfer.transport import CapabilityError
+from pdxfer.transport.streams import CopyStream, capture
 from pdxfer.transport.testing.tables import CANARY, assert_landed, random_table
 
 from pdxfer import transport
@@ -31,25 +31,6 @@ def test_host_memory_takes_no_readiness() -> None:
     assert capture(None, "cpu") is None
     with pytest.raises(CapabilityError, match="applies to CUDA memory only"):
         capture(object(), torch.device("cpu"))
-
-
-class _Never:
-    """Stands in for a torch.cuda.Event that is never reached: `host_wait` calls only `query`."""
-
-    def __init__(self) -> None:
-        self.queries = 0
-
-    def query(self) -> bool:
-        self.queries += 1
-        return False
-
-
-def test_host_wait_is_bounded_and_names_the_fix() -> None:
-    never = _Never()
-    with pytest.raises(TransferTimeout, match="record `ready` after the work"):
-        host_wait(never, 0.05, "a write to x")
-    assert never.queries > 1
-    host_wait(None, 0.0, "nothing to wait for")
 
 
 def test_copy_stream_runs_host_copies_now() -> None:

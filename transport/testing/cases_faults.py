@@ -21,10 +21,10 @@ from .rig import (
     WAIT,
     Backend,
     Gate,
+    PeerPool,
     Rig,
     good_table,
     need,
-    peer_process,
     until,
 )
 from .tables import CANARY, assert_landed
@@ -127,15 +127,77 @@ def test_has_peer_is_true_while_a_sender_is_linked_and_false_once_it_closed(back
             f"{backend.label}: has_peer still True after the sender's engine closed")
 
 
-def test_peer_process_killed_mid_transfer_fails_waiter_within_bound(backend: Backend) -> None:
+# How long one post to a live peer may take on the caller's thread while another peer is
+# stalled: local work only, on a loaded machine.
+POST_BOUND = 1.0
+REQUESTS = 20
+
+
+def _flood() -> np.ndarray:
+    """16 rows of 256 KiB: 4 MiB per write, more than socket buffers or credits take at once."""
+    rows = np.arange(16, dtype=np.int64) * (256 << 10)
+    return np.stack([np.zeros(16, np.int64), rows, np.full(16, 256 << 10)], 1)
+
+
+def test_a_stalled_peer_never_delays_a_post_to_another_peer(backend: Backend, kit_peers: PeerPool) -> None:
+    """Done-when of #19: stall one receiving peer, another peer's requests go through meanwhile.
+
+    Across processes the stalled peer is frozen with SIGSTOP (its process's peer is the
+    one `test_peer_process_killed_...` then kills); in one process it is held in its
+    notify handler. Either way a flood waits on the stalled link while every post to a
+    live peer returns at once and completes.
+    """
+    with Rig(backend) as rig, backend.create() as other:
+        dst = np.full(1 << 20, CANARY, np.uint8)
+        region = other.register(torch.from_numpy(dst))
+        live = rig.tx.connect(other.address())
+        gate, peer = None, None
+        if rig.tx.capabilities.cross_process and backend.spawn is not None:
+            peer = kit_peers.get(backend)
+            stalled = rig.tx.connect(peer.address)
+            stalled.write(rig.src_region, peer.descriptor, good_table()).wait(WAIT)
+            peer.freeze()
+            target = peer.descriptor
+        else:
+            gate = Gate(b"stall")  # in-process: the receiver holds its side of the link
+            rig.on_notify = gate
+            stalled = rig.conn
+            stalled.write(rig.src_region, rig.remote, good_table(), notify=b"stall")
+            assert gate.entered.wait(WAIT)
+            target = rig.remote
+        try:
+            held = [stalled.write(rig.src_region, target, _flood()) for _ in range(16)]
+            worst, handles = 0.0, []
+            for i in range(REQUESTS):
+                table = np.array([[i * 4096, i * 8192, 4096]], np.int64)
+                t = time.monotonic()
+                handles.append(live.write(rig.src_region, region.descriptor(), table))
+                worst = max(worst, time.monotonic() - t)
+            for h in handles:
+                h.wait(WAIT)
+            assert worst < POST_BOUND, f"a post to the live peer took {worst:.3f} s"
+            assert not all(h.poll() for h in held), "the stalled peer took the whole flood"
+            expected = np.array([[i * 4096, i * 8192, 4096] for i in range(REQUESTS)], np.int64)
+            assert_landed(rig.src, dst, expected)
+        finally:
+            if gate is not None:
+                gate.release()
+            if peer is not None:
+                stalled.close()  # the flood is abandoned; the peer resumes for the next case
+                peer.signal(signal.SIGCONT)
+
+
+def test_peer_process_killed_mid_transfer_fails_waiter_within_bound(backend: Backend,
+                                                                     kit_peers: PeerPool) -> None:
+    need(backend, "cross_process", "its engines share one process: no peer process to kill")
+    if backend.spawn is None:
+        pytest.skip(f"{backend.label}: the kit was given no way to start a peer process")
     with Rig(backend) as rig:
-        need(rig.tx, "cross_process", "its engines share one process: no peer process to kill")
-        if backend.spawn is None:
-            pytest.skip(f"{backend.label}: the kit was given no way to start a peer process")
-        with peer_process(backend, 64 << 20) as peer:
+        peer = kit_peers.take(backend)
+        try:
             conn = rig.tx.connect(peer.address)
             conn.write(rig.src_region, peer.descriptor, good_table()).wait(WAIT)  # link is live
-            peer.signal(signal.SIGSTOP)  # frozen: 64 MiB cannot fit in socket buffers
+            peer.freeze()  # frozen: 64 MiB cannot fit in socket buffers
             rows = np.arange(16, dtype=np.int64) * (4 << 20)
             table = np.stack([np.zeros(16, np.int64), rows, np.full(16, 4 << 20)], 1)
             handle = conn.write(rig.src_region, peer.descriptor, table, notify=b"lost")
@@ -153,63 +215,5 @@ def test_peer_process_killed_mid_transfer_fails_waiter_within_bound(backend: Bac
             peer.child.wait(WAIT)
             with pytest.raises(PeerLostError, match="cannot connect"):
                 rig.tx.connect(peer.address)
-
-
-# How long one post to a live peer may take on the caller's thread, and all of them
-# together, while another peer is stalled: local work only, on a loaded machine.
-POST_BOUND = 1.0
-REQUESTS = 20
-
-
-def test_a_stalled_peer_never_delays_a_post_to_another_peer(backend: Backend) -> None:
-    """Done-when of #19: stall one receiving peer, another peer's requests go through meanwhile."""
-    with Rig(backend) as rig:
-        other = backend.create()
-        try:
-            dst = np.full(1 << 20, CANARY, np.uint8)
-            region = other.register(torch.from_numpy(dst))
-            live = rig.tx.connect(other.address())
-            stalled_peer = None
-            gate = None
-            if rig.tx.capabilities.cross_process and backend.spawn is not None:
-                stalled_peer = peer_process(backend, 64 << 20)
-                peer = stalled_peer.__enter__()
-                stalled = rig.tx.connect(peer.address)
-                stalled.write(rig.src_region, peer.descriptor, good_table()).wait(WAIT)
-                peer.signal(signal.SIGSTOP)
-                target = peer.descriptor
-            else:
-                gate = Gate(b"stall")  # in-process: the receiver holds its side of the link
-                rig.on_notify = gate
-                stalled = rig.conn
-                stalled.write(rig.src_region, rig.remote, good_table(), notify=b"stall")
-                assert gate.entered.wait(WAIT)
-                target = rig.remote
-            try:
-                # The stalled link gets a flood it cannot take (socket buffers, credits, a held
-                # worker), then every post to the live peer must go through at once.
-                rows = np.arange(16, dtype=np.int64) * (256 << 10)
-                flood = np.stack([np.zeros(16, np.int64), rows, np.full(16, 256 << 10)], 1)
-                held = [stalled.write(rig.src_region, target, flood) for _ in range(16)]
-                worst, t0 = 0.0, time.monotonic()
-                handles = []
-                for i in range(REQUESTS):
-                    table = np.array([[i * 4096, i * 8192, 4096]], np.int64)
-                    t = time.monotonic()
-                    handles.append(live.write(rig.src_region, region.descriptor(), table))
-                    worst = max(worst, time.monotonic() - t)
-                for h in handles:
-                    h.wait(WAIT)
-                took = time.monotonic() - t0
-                assert worst < POST_BOUND, f"a post to the live peer took {worst:.3f} s"
-                assert not all(h.poll() for h in held), "the stalled peer took the whole flood"
-                expected = np.array([[i * 4096, i * 8192, 4096] for i in range(REQUESTS)], np.int64)
-                assert_landed(rig.src, dst, expected)
-                assert took < WAIT
-            finally:
-                if gate is not None:
-                    gate.release()
-                if stalled_peer is not None:
-                    stalled_peer.__exit__(None, None, None)
         finally:
-            other.close()
+            peer.kill()

@@ -23,7 +23,7 @@ from .tables import assert_landed
 
 # How long a broken fence is given to return while the gated step is held: a
 # correct fence passes whatever this is, a broken one returns within microseconds.
-FENCE_WAIT = 2.0
+FENCE_WAIT = 1.0
 
 
 def test_drop_peer_is_a_fence_or_refuses(backend: Backend) -> None:

@@ -53,11 +53,11 @@ def test_pre_handshake_frame_over_the_cap_is_refused_at_once(backend: Backend) -
 
 def test_pending_connections_are_capped_and_idle_ones_time_out(backend: Backend) -> None:
     need(backend, "listens")
-    with backend.create(connect_timeout=1.0, max_pending=4) as eng:
+    with backend.create(connect_timeout=0.5, max_pending=4) as eng:
         socks = [_dial(eng) for _ in range(10)]
         try:
             closed = [s for s in socks if _eof_within(s, 30.0)]
-            # every one is closed: 6 at accept, 4 after their 1 s handshake timeout
+            # every one is closed: 6 at accept, 4 after their 0.5 s handshake timeout
             assert len(closed) == 10
             assert eng.listener.refused >= 1
             assert until(lambda: eng.listener.pending == 0)
@@ -67,13 +67,13 @@ def test_pending_connections_are_capped_and_idle_ones_time_out(backend: Backend)
 
 
 def test_a_peer_trickling_its_handshake_is_closed_at_the_deadline(backend: Backend) -> None:
-    # one byte per 0.3 s keeps the per-recv timeout from firing; the deadline must
+    # one byte per 0.2 s keeps a 0.5 s per-recv timeout from firing; the deadline must
     need(backend, "listens")
-    with backend.create(connect_timeout=1.0) as eng:
+    with backend.create(connect_timeout=0.5) as eng:
         with _dial(eng) as sock:
             sock.sendall(LENGTH.pack(HANDSHAKE_MAX_FRAME))
-            sock.settimeout(0.3)
-            for _ in range(200):  # 60 s at most; the 1 s deadline ends it long before
+            sock.settimeout(0.2)
+            for _ in range(300):  # 60 s at most; the 0.5 s deadline ends it long before
                 try:
                     sock.sendall(b"\x00")
                     if not sock.recv(1):
@@ -179,14 +179,14 @@ class _Trickler:
 
 def test_a_peer_trickling_its_welcome_cannot_hold_a_dial_past_connect_timeout(backend: Backend) -> None:
     need(backend, "listens")
-    with backend.create(connect_timeout=1.0) as eng:
-        peer = _Trickler(every=0.2)
+    with backend.create(connect_timeout=0.5) as eng:
+        peer = _Trickler(every=0.1)
         try:
             t0 = time.monotonic()
-            with pytest.raises(TransferTimeout, match="connect_timeout=1.0"):
+            with pytest.raises(TransferTimeout, match="connect_timeout=0.5"):
                 eng.connect(peer.address(eng.name))
             took = time.monotonic() - t0
-            assert took < 1.0 + 2.0, f"the dial took {took:.1f} s against connect_timeout=1"
+            assert took < 0.5 + 2.0, f"the dial took {took:.1f} s against connect_timeout=0.5"
         finally:
             peer.close()
 

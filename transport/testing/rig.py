@@ -15,13 +15,13 @@ wait, for state no event announces.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,11 +129,50 @@ class Rig:
     def refill(self) -> None:
         self.dst[:] = CANARY
 
+    @property
+    def healthy(self) -> bool:
+        """Both engines open and the link alive: the rig can serve another case as it is."""
+        return not self.tx.closed and not self.rx.closed and getattr(self.conn, "alive", False)
+
+    def reset(self) -> Rig:
+        """Canary back in the destination, no notes, no handler hook: as a fresh rig starts."""
+        self.on_notify = None
+        self.refill()
+        with self.noted:
+            self.notes.clear()
+        return self
+
     def close(self) -> None:
         self.tx.close()
         rx = getattr(self, "rx", None)
         if rx is not None:
             rx.close()
+
+
+class RigPool:
+    """One rig per backend shared by the cases that leave it as they found it (a test module's).
+
+    Building a rig costs two engines and a dial (for nixl, three NIXL agents); the
+    refusal and round-trip cases, dozens per backend, reuse one instead. A rig a case
+    broke (a closed engine, a dead link) is replaced before the next one gets it.
+    """
+
+    def __init__(self) -> None:
+        self._rigs: dict[str, Rig] = {}
+
+    def get(self, backend: Backend) -> Rig:
+        rig = self._rigs.get(backend.label)
+        if rig is not None and not rig.healthy:
+            rig.close()
+            rig = None
+        if rig is None:
+            rig = self._rigs[backend.label] = Rig(backend)
+        return rig.reset()
+
+    def close(self) -> None:
+        for rig in self._rigs.values():
+            rig.close()
+        self._rigs.clear()
 
 
 class Gate:
@@ -252,16 +291,50 @@ class PeerProcess:
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
+    def freeze(self) -> None:
+        """SIGSTOP, and return once every thread of it is stopped (signals land asynchronously)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        tasks = f"/proc/{self.pid}/task"
+
+        def stopped() -> bool:
+            try:
+                states = [open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                          for t in os.listdir(tasks)]
+            except OSError:
+                return False
+            return all(s in "tT" for s in states)
+
+        assert until(stopped, WAIT, 0.001), f"peer process {self.pid} did not stop"
+
     def kill(self) -> None:
         self.child.kill()
         self.child.wait()
 
 
-@contextlib.contextmanager
-def peer_process(backend: Backend, nbytes: int) -> Iterator[PeerProcess]:
-    """A `PeerProcess` for the block, killed at its end."""
-    peer = PeerProcess(backend, nbytes)
-    try:
-        yield peer
-    finally:
-        peer.kill()
+class PeerPool:
+    """One peer process per backend, shared by a module's cases (each costs seconds to start).
+
+    `get` keeps it for the next case (a case that froze it resumes it); `take` hands it
+    over for good (a case that kills it).
+    """
+
+    NBYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self._peers: dict[str, PeerProcess] = {}
+
+    def get(self, backend: Backend) -> PeerProcess:
+        peer = self._peers.get(backend.label)
+        if peer is None or peer.child.poll() is not None:
+            peer = self._peers[backend.label] = PeerProcess(backend, self.NBYTES)
+        return peer
+
+    def take(self, backend: Backend) -> PeerProcess:
+        peer = self.get(backend)
+        del self._peers[backend.label]
+        return peer
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            peer.kill()
+        self._peers.clear()

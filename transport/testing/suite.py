@@ -15,7 +15,7 @@ test of it, and one that declares it can is held to it.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 # absolute imports of the case modules: `from . import x` would make this module
@@ -28,7 +28,7 @@ import pdxfer.transport.testing.cases_writes as cases_writes
 import pytest
 
 from .. import registry
-from .rig import Backend
+from .rig import Backend, PeerPool, RigPool
 
 CASE_MODULES = (cases_writes, cases_faults, cases_fence, cases_listen, cases_engine)
 
@@ -50,10 +50,36 @@ def cases() -> dict[str, Callable[..., Any]]:
     return out
 
 
+def _kit_rigs() -> Iterator[RigPool]:
+    """The module's shared rigs (`RigPool`), closed when the module's tests are done."""
+    pool = RigPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def _kit_peers() -> Iterator[PeerPool]:
+    """The module's shared peer processes (`PeerPool`), killed when the module's tests are done."""
+    pool = PeerPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 def conformance(backends: Sequence[Backend]) -> dict[str, Callable[..., Any]]:
-    """Every kit case as a pytest test parametrized over `backends` (argument `backend`)."""
+    """Every kit case as a pytest test parametrized over `backends` (argument `backend`).
+
+    Also the module-scoped fixtures some cases take: `kit_rigs` (a rig per backend,
+    shared by the cases that leave it as they found it) and `kit_peers` (a peer process
+    per backend).
+    """
     ids = [b.label for b in backends]
-    out = {}
+    out: dict[str, Callable[..., Any]] = {
+        "kit_rigs": pytest.fixture(scope="module", name="kit_rigs")(_kit_rigs),
+        "kit_peers": pytest.fixture(scope="module", name="kit_peers")(_kit_peers),
+    }
     for name, fn in cases().items():
         # A fresh function object per call, so two modules' marks never mix.
         copy = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)

@@ -23,8 +23,8 @@ import ctypes
 import os
 from typing import Any
 
-from .errors import CapabilityError, RegistrationError
-from .regions import Region
+from ..errors import CapabilityError, RegistrationError
+from ..regions import Region
 
 _CU_DMA_BUF_FD = 1  # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
 _PEERMEM = "/sys/module/nvidia_peermem"

@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .control_link import Acks, Bye, Gone, Refresh
-from .segments import MAX_NOTIFY
-from .wire import LENGTH, Protocol
+from ..control import Acks, Bye, Gone, Refresh
+from ..segments import MAX_NOTIFY
+from ..wire import LENGTH, Protocol
 
 VERSION = 1
 

@@ -1,24 +1,22 @@
 """The nixl backend's one polling loop: it makes UCX progress, completes sends, delivers notifies.
 
 NIXL has no completion callback and, with its own progress thread disabled
-(see `nixl_peer.py` for why), bytes move only inside NIXL calls that
+(see `inbound.py` for why), bytes move only inside NIXL calls that
 progress a worker: `check_xfer_state` on the sending agent pushes a
 transfer's bytes out, `get_new_notifs` on a receiving agent reads them into
 our memory. So one thread per engine calls both in a loop, and sleeps
 between rounds with a backoff: 50 µs after a round that found work, doubling
 to 2 ms while idle (0.5 ms while a send is in flight), and woken at once by
-`kick()` when a write is posted. It is the only polling loop in the backend
+`kick()` when a write is submitted. It is the only polling loop in the backend
 and never spins: every round ends in an `Event.wait`. Waiting callers never
 poll either: they wait on their `Handle`'s event, with a timeout.
 
-A round: (0) the writes callers queued are posted, in order (callers never
-take the agent lock: `nixl_requests`); (1) every posted transfer's state
-under the sending agent's lock — DONE releases the NIXL request, an error fails the transfer and severs its
-link; (2) every live inbound link's notifications, each delivered to the
-notify handler under that link's re-entrant `delivering` lock (so its fence
-waits a running notify out and no notify starts after the fence; the
-handler may itself call `drop_peer`) and then acknowledged to its sender in
-one `Acks` frame per link per round.
+A round: (0) the writes links submitted are posted, in order
+(`requests.Requests`); (1) every posted transfer's state — DONE releases the
+NIXL request, an error fails the transfer and severs its link; (2) every
+live inbound link's notifications, handed to the handler through the kit's
+`InboundLink.deliver` (never after a fence) and then acknowledged to its
+sender in one `Acks` frame per link per round.
 
 Deletion condition: a NIXL Python API exposing the UCX worker's event fd or
 a completion callback; then this becomes a blocking wait.
@@ -28,12 +26,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
 
-from .errors import PeerLostError
-
-if TYPE_CHECKING:
-    from .nixl import NixlEngine
+from ..inbound import InboundTable
+from .inbound import InboundPeer
+from .requests import Requests
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +41,16 @@ BUSY_MAX_DELAY = 0.5e-3  # while a send is in flight: its bytes move only when w
 class Progress:
     """The thread that drives one engine's NIXL agents."""
 
-    def __init__(self, engine: NixlEngine) -> None:
-        self._engine = engine
+    def __init__(self, name: str, requests: Requests, inbound: InboundTable) -> None:
+        self._requests = requests
+        self._inbound = inbound
         self._wake = threading.Event()
         self._stop = False
-        self._thread = threading.Thread(
-            target=self._run, name=f"nixl-progress {engine.engine_id}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"nixl-progress {name}", daemon=True)
         self._thread.start()
 
     def kick(self) -> None:
-        """Run a round now (a write was posted)."""
+        """Run a round now (a write was submitted)."""
         self._wake.set()
 
     def stop(self, timeout: float) -> None:
@@ -79,34 +74,22 @@ class Progress:
             self._wake.clear()
 
     def _round(self) -> tuple[bool, bool]:
-        engine = self._engine
-        refused, worked = engine.requests.post()
-        for conn, seq, error in refused:
-            conn.refused(seq, error)
-        failed, sending = engine.requests.poll()
-        for conn, error in failed:
+        refused, worked = self._requests.post()
+        for link, seq, error in refused:
+            link.post_refused(seq, error)
+        failed, sending = self._requests.poll()
+        for link, error in failed:
             worked = True
-            conn.sever(error)
-        for peer in engine._live_peers():
+            link.sever(error)
+        for peer in self._inbound.links():
+            if not isinstance(peer, InboundPeer) or peer.dead or peer.sender is None:
+                continue
             landed = peer.poll()
             if not landed:
                 continue
             worked = True
-            # Started under the link's delivery lock: its fence waits a running
-            # notify out and none starts after it (re-entrant: a handler may drop_peer).
-            with peer.delivering:
-                for _, payload in landed:
-                    # per payload: a handler earlier in this batch may have fenced
-                    # the peer, and nothing is delivered after a fence
-                    if peer.dead:
-                        break
-                    if payload is not None:
-                        engine._deliver(peer.sender, payload)
-            if not peer.dead:
+            # The kit's delivery rule: under the link's guard, never once it is fenced
+            # (re-entrant: a handler may drop_peer).
+            if peer.deliver(payload for _, payload in landed):
                 peer.ack([seq for seq, _ in landed])
         return worked, sending
-
-
-def lost(what: str, exc: BaseException | str) -> PeerLostError:
-    """The error a transfer fails with when NIXL reports it broken."""
-    return PeerLostError(f"{what} failed: {exc}; the peer died, closed or dropped us")

@@ -1,11 +1,11 @@
 """A software verbs fabric with pyverbs' surface: the classes the verbs backend uses, no more.
 
-`verbs_api.load()` returns either real pyverbs or this module under the same
-names, so the backend runs unchanged on an RDMA NIC and, in every test run,
-on `soft_verbs_nic.Fabric` — a NIC thread in this process. The surface is
-exactly what `transport/verbs*.py` touches (tests/transport/
+`api.load()` returns real pyverbs and `sim.namespace()` this module under
+the same names, so the backend runs unchanged on an RDMA NIC and, in every
+test run, on `nic.Fabric` — a NIC thread in this process. The surface is
+exactly what `transport/verbs/*.py` touches (tests/transport/
 test_verbs_pyverbs.py checks every such attribute exists on the real classes
-and that objects built by `verbs_build` read back the same on both).
+and that objects built by `build.py` read back the same on both).
 
 Strictness follows the strictest supported pyverbs (rdma-core 44): a RecvWR
 needs at least one SGE, `SendWR.sg_list` cannot be read back,
@@ -24,7 +24,7 @@ import errno
 import types
 from typing import Any
 
-from . import soft_verbs_nic as nic
+import pdxfer.transport.verbs.sim.nic as nic  # absolute: `from . import` would depend on sim/__init__
 
 
 class PyverbsError(Exception):
@@ -122,7 +122,7 @@ class Context:
             raise PyverbsRDMAError(f"Failed to open device {name}", errno.ENODEV)
         self.fabric = nic.default_fabric()
         self.name = name
-        self._children: list[Any] = []
+        self.children: list[Any] = []
 
     def query_device(self) -> DeviceAttr:
         f = self.fabric
@@ -140,15 +140,15 @@ class Context:
         return 1  # RoCE v2
 
     def close(self) -> None:
-        for child in reversed(self._children):
+        for child in reversed(self.children):
             child.close()
-        self._children.clear()
+        self.children.clear()
 
 
 class PD:
     def __init__(self, context: Context) -> None:
-        self._ctx = context
-        context._children.append(self)
+        self.context = context
+        context.children.append(self)
 
     def close(self) -> None:
         pass
@@ -158,14 +158,14 @@ class MR:
     def __init__(self, creator: PD, length: int, access: int, address: int | None = None) -> None:
         if not address:
             raise PyverbsRDMAError("soft verbs registers caller memory only (address=)", errno.EINVAL)
-        self._state = creator._ctx.fabric.add_mr(creator, int(address), int(length), int(access))
-        self._fabric = creator._ctx.fabric
-        self.lkey = self.rkey = self._state.key
+        self.sim_state = creator.context.fabric.add_mr(creator, int(address), int(length), int(access))
+        self.fabric = creator.context.fabric
+        self.lkey = self.rkey = self.sim_state.key
         self.length = int(length)
-        creator._ctx._children.append(self)
+        creator.context.children.append(self)
 
     def close(self) -> None:
-        self._fabric.close_mr(self._state)
+        self.fabric.close_mr(self.sim_state)
 
 
 class DmaBufMR:
@@ -182,12 +182,12 @@ class CQ:
                  comp_vector: int = 0) -> None:
         if cqe > context.fabric.max_cqe:
             raise PyverbsRDMAError("Failed to create a CQ", errno.EINVAL)
-        self._state = nic.CQState(cqe)
-        self._fabric = context.fabric
+        self.sim_state = nic.CQState(cqe)
+        self.fabric = context.fabric
         self.cqe = cqe
 
     def poll(self, num_entries: int = 1) -> tuple[int, list[WC]]:
-        got = self._fabric.poll(self._state, num_entries)
+        got = self.fabric.poll(self.sim_state, num_entries)
         wcs = [WC(wr_id=w, status=s, opcode=o, byte_len=n, qp_num=q) for w, s, o, n, q in got]
         return len(wcs), wcs
 
@@ -237,11 +237,11 @@ class SGE:
 
 
 class _WR:
-    def _sges(self) -> list[tuple[int, int, int]]:
+    def sim_sges(self) -> list[tuple[int, int, int]]:
         return [(s.addr, s.length, s.lkey) for s in self._sg[:self.num_sge]]
 
     def _set_next(self, wr: Any) -> None:
-        self._next = wr
+        self.sim_next = wr
 
     next_wr = property(None, _set_next)  # v44: write-only from Python, a raw pointer inside
 
@@ -253,18 +253,18 @@ class SendWR(_WR):
             raise PyverbsError("num_sge is larger than the SGE list")
         self.wr_id, self.opcode, self.num_sge = wr_id, int(opcode), num_sge
         self.imm_data, self.send_flags = imm_data, int(send_flags)
-        self._sg, self._next = list(sg or []), None
-        self._rkey = self._raddr = 0  # write-only, as in pyverbs (its `rkey` is another field)
+        self._sg, self.sim_next = list(sg or []), None
+        self.sim_rkey = self.sim_raddr = 0  # write-only, as in pyverbs (its `rkey` is another field)
 
     def set_wr_rdma(self, rkey: int, addr: int) -> None:
-        self._rkey, self._raddr = int(rkey), int(addr)
+        self.sim_rkey, self.sim_raddr = int(rkey), int(addr)
 
 
 class RecvWR(_WR):
     def __init__(self, wr_id: int = 0, num_sge: int = 0, sg: list[SGE] | None = None) -> None:
         if num_sge < 1 or sg is None:
             raise PyverbsError("A WR needs at least one SGE")
-        self.wr_id, self.num_sge, self._sg, self._next = wr_id, num_sge, list(sg), None
+        self.wr_id, self.num_sge, self._sg, self.sim_next = wr_id, num_sge, list(sg), None
 
 
 _TRANSITIONS = {(0, 1), (1, 1), (1, 2), (2, 3), (3, 3)}
@@ -272,34 +272,34 @@ _TRANSITIONS = {(0, 1), (1, 1), (1, 2), (2, 3), (3, 3)}
 
 class QP:
     def __init__(self, creator: PD, init_attr: QPInitAttr) -> None:
-        ctx = creator._ctx
+        ctx = creator.context
         cap = init_attr.cap
         if (init_attr.qp_type != 2 or cap.max_send_wr > ctx.fabric.max_qp_wr
                 or cap.max_recv_wr > ctx.fabric.max_qp_wr or cap.max_send_sge > ctx.fabric.max_sge):
             raise PyverbsRDMAError("Failed to create QP", errno.EINVAL)
-        self._fabric = ctx.fabric
+        self.fabric = ctx.fabric
         self._sig_all = bool(init_attr.sq_sig_all)
-        self._state = ctx.fabric.add_qp(creator, init_attr.scq._state, init_attr.rcq._state, cap)
-        self.qp_num = self._state.qpn
+        self.sim_state = ctx.fabric.add_qp(creator, init_attr.scq.sim_state, init_attr.rcq.sim_state, cap)
+        self.qp_num = self.sim_state.qpn
         self.qp_type = 2
-        ctx._children.append(self)
+        ctx.children.append(self)
 
     @property
     def qp_state(self) -> int:
-        return self._state.state
+        return self.sim_state.state
 
     def modify(self, qp_attr: QPAttr, comp_mask: int) -> None:
         to = qp_attr.qp_state
-        if to not in (0, 6) and (self._state.state, to) not in _TRANSITIONS:
+        if to not in (0, 6) and (self.sim_state.state, to) not in _TRANSITIONS:
             raise PyverbsRDMAError(f"Failed to modify QP state to {to}", errno.EINVAL)
-        s = self._state
+        s = self.sim_state
         if to == 1:
             s.access = qp_attr.qp_access_flags
         elif to == 2:
             s.dest = qp_attr.dest_qp_num
         elif to == 3:
             s.rnr_retry = qp_attr.rnr_retry
-        self._fabric.set_state(s, to)
+        self.fabric.set_state(s, to)
 
     def to_init(self, qp_attr: QPAttr) -> None:
         qp_attr.qp_state = 1
@@ -318,27 +318,27 @@ class QP:
         self.modify(qp_attr, 0)
 
     def post_send(self, send_wr: SendWR, bad_wr: Any = None) -> None:
-        if self._state.state not in (3, 6):
+        if self.sim_state.state not in (3, 6):
             raise PyverbsRDMAError("Failed to post send", errno.EINVAL)
         wqes, wr = [], send_wr
         while wr is not None:
-            sges = wr._sges()
-            if wr.num_sge > self._state.max_send_sge:
+            sges = wr.sim_sges()
+            if wr.num_sge > self.sim_state.max_send_sge:
                 raise PyverbsRDMAError("Failed to post send", errno.EINVAL)
             signaled = self._sig_all or bool(wr.send_flags & 2)
-            wqes.append(nic.WQE(wr.wr_id, wr.opcode, signaled, sges, wr._rkey, wr._raddr,
+            wqes.append(nic.WQE(wr.wr_id, wr.opcode, signaled, sges, wr.sim_rkey, wr.sim_raddr,
                                 sum(n for _, n, _ in sges)))
-            wr = wr._next
-        if self._fabric.post_send(self._state, wqes) < len(wqes):
+            wr = wr.sim_next
+        if self.fabric.post_send(self.sim_state, wqes) < len(wqes):
             raise PyverbsRDMAError("Failed to post send", errno.ENOMEM)
 
     def post_recv(self, wr: RecvWR, bad_wr: Any = None) -> None:
-        if self._state.state == 0:
+        if self.sim_state.state == 0:
             raise PyverbsRDMAError("Failed to post recv", errno.EINVAL)
         while wr is not None:
-            if not self._fabric.post_recv(self._state, nic.WQE(wr.wr_id, 0, True, wr._sges())):
+            if not self.fabric.post_recv(self.sim_state, nic.WQE(wr.wr_id, 0, True, wr.sim_sges())):
                 raise PyverbsRDMAError("Failed to post recv", errno.ENOMEM)
-            wr = wr._next
+            wr = wr.sim_next
 
     def close(self) -> None:
-        self._fabric.destroy_qp(self._state)
+        self.fabric.destroy_qp(self.sim_state)

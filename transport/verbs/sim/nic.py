@@ -1,4 +1,4 @@
-"""The software RDMA NIC behind `soft_verbs`: one thread executing work requests as RC would.
+"""The software RDMA NIC behind `sim/verbs.py`: one thread executing work requests as RC would.
 
 Why a NIC of our own: no userspace-only libibverbs provider exists (rxe and
 siw need kernel modules this machine lacks), yet the verbs backend's hard

@@ -1,8 +1,8 @@
 """Where the verbs backend gets its verbs: real pyverbs, or the software fabric, by one name set.
 
 The backend never imports pyverbs itself: it asks `load()` (real pyverbs,
-or `CapabilityError` with the install hint) or `soft()` (`soft_verbs`) for a
-namespace with the same names — `Context, PD, MR, DmaBufMR, CQ, QP, QPCap,
+or `CapabilityError` with the install hint) or `sim.namespace()` (the software
+fabric, `verbs/sim/`) for a namespace with the same names (`NAMES`) — `Context, PD, MR, DmaBufMR, CQ, QP, QPCap,
 QPInitAttr, QPAttr, AHAttr, GlobalRoute, GID, SGE, SendWR, RecvWR, E,
 PyverbsError, PyverbsRDMAError, get_device_list, cqe_status_to_str` — so the
 same code runs on a NIC and on the fabric, and the honesty tests can hold the
@@ -25,7 +25,7 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import (
+from ..errors import (
     CapabilityError,
     PeerLostError,
     ProtocolError,
@@ -37,7 +37,7 @@ INSTALL_HINT = (
     "install rdma-core's Python bindings (Debian/Ubuntu: apt install python3-pyverbs "
     "ibverbs-providers; they are cp311 builds) and load your NIC's driver"
 )
-_NAMES = {
+NAMES = {
     "pyverbs.device": ("Context", "get_device_list"),
     "pyverbs.pd": ("PD",),
     "pyverbs.mr": ("MR", "DmaBufMR"),
@@ -57,7 +57,7 @@ def load() -> types.SimpleNamespace:
         return _loaded
     ns = types.SimpleNamespace()
     try:
-        for module, names in _NAMES.items():
+        for module, names in NAMES.items():
             mod = importlib.import_module(module)
             for name in names:
                 setattr(ns, name, getattr(mod, name))
@@ -68,17 +68,6 @@ def load() -> types.SimpleNamespace:
     except (ImportError, AttributeError) as exc:
         raise CapabilityError(f"pyverbs is not importable ({exc}); {INSTALL_HINT}") from exc
     _loaded = ns
-    return ns
-
-
-def soft() -> types.SimpleNamespace:
-    """The software fabric (`soft_verbs`) under the same names as `load()`."""
-    from . import soft_verbs as sv
-
-    ns = types.SimpleNamespace(E=sv.E)
-    for names in _NAMES.values():
-        for name in names:
-            setattr(ns, name, getattr(sv, name))
     return ns
 
 

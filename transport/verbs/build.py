@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .copying import coalesce
-from .segments import split_rows
+from ..copying import coalesce
+from ..segments import split_rows
 
 # Retry counts as most RC users set them: 7 = retry RNR forever (we never
 # post a SEND without a credit, so RNR means a stalled peer, which our own
