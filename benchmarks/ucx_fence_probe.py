@@ -32,6 +32,7 @@ import gc
 import json
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -201,8 +202,16 @@ def probe(case: Case, run_after: float = 1.0, timeout: float = 90.0) -> Outcome:
              ctx.Process(target=sender, args=(a, case, run_after), daemon=True)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
     try:
-        return Outcome(**out.get(timeout=timeout))
+        while True:
+            try:
+                return Outcome(**out.get(timeout=0.2))
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"probe {case} gave no answer (exit codes "
+                                       f"{[p.exitcode for p in procs]})") from None
     finally:
         for p in procs:
             p.join(5)
