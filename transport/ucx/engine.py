@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import pdxfer.transport.ucx.lib as lib  # absolute: `from . import` depends on ucx/__init__
+import torch
 
 from ..base import Capabilities
 from ..dial import tune
@@ -95,6 +96,10 @@ class UcxEngine(EngineBase):
             raise
 
     def _start(self) -> tuple[Any, Any, bytes]:
+        if self.capabilities.cuda_memory and torch.cuda.is_available():
+            # UCX's cuda transports work in the calling thread's current CUDA context: this
+            # thread's (unverified here: no GPU; `make gpu-check` runs it)
+            torch.cuda.set_device(torch.cuda.current_device())
         ctx = lib.context(self.tls, self.device)
         worker = lib.worker(ctx)
         self.progress.adopt(worker)

@@ -75,23 +75,27 @@ def context(tls: str, device: str | None) -> Any:
     report a dead peer — on one host without a GPU that is tcp alone, even
     for "all" (measured: UCX drops sysv/posix/cma; see docs/reliability.md).
 
-    Eager protocols only, unless a CUDA transport is present: UCX 1.21
+    Eager protocols only, unless UCX found a CUDA transport: UCX 1.21
     segfaults when a peer dies during a rendezvous and no transport keeps a
     registration cache (`ucs_rcache_region_invalidate(rcache=NULL)` from
-    `ucp_proto_rndv_rtr_abort`; openucx/ucx#11467, fixed after 1.21.0 by
-    #11485) — which is the case with tcp alone. Deletion condition: the
-    bundled UCX is 1.22 or newer. With a CUDA transport the cache exists, and
-    rendezvous is what moves GPU memory without a bounce.
+    `ucp_proto_rndv_rtr_abort`, seen here in the engine's SIGKILL test;
+    openucx/ucx#11467, fixed after 1.21.0 by #11485) — the case with tcp,
+    shared memory and cma. Deletion condition: the bundled UCX is 1.22 or
+    newer. With a CUDA transport rendezvous is kept: it is what moves GPU
+    memory without a bounce (whether that context keeps a cache, so that the
+    crash cannot happen there, is unverified: no GPU here).
     """
     config: dict[str, str] = {}
     if tls != FULL_TLS:
-        config.update(TLS=tls, RNDV_THRESH="inf")  # tcp alone: no CUDA transport, no cache
+        config.update(TLS=tls, RNDV_THRESH="inf")  # tcp alone: no CUDA transport
     if device:
         config["NET_DEVICES"] = device
     what = f"starting UCX with transports {tls!r}" + (f" on interface {device!r}" if device else "")
     try:
         ctx = ucx.UCXContext(config, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
-        if ctx.cuda_support or "RNDV_THRESH" in config:
+        # `cuda_support` says only that CUDA transports were asked for; the resource list
+        # says whether UCX found one (a GPU and its driver)
+        if "RNDV_THRESH" in config or "cuda" in ctx.info:
             return ctx
         del ctx
         return ucx.UCXContext({**config, "RNDV_THRESH": "inf"},
