@@ -20,6 +20,7 @@ except the sender's bounded run after the fence (`--run-after`).
 
     .venv/bin/python benchmarks/ucx_fence_probe.py --mib 16
     .venv/bin/python benchmarks/ucx_fence_probe.py --tls tcp --scheme auto --fence worker --mib 4
+    UCX_PROTO_INFO=y .venv/bin/python benchmarks/ucx_fence_probe.py ...   # which protocol carried it
 
 Prints one line per case (JSON with `--json`). The finding and what the
 backend does with it: `transport/ucx/__init__.py` and docs/reliability.md.
@@ -230,7 +231,11 @@ def main() -> int:
     parser.add_argument("--run-after", type=float, default=1.0,
                         help="seconds the sender keeps progressing after the fence")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tiny", action="store_true",
+                        help="4 MiB messages and a 0.3 s run after the fence (the docs test's size)")
     args = parser.parse_args()
+    if args.tiny:
+        args.mib, args.run_after = 4, 0.3
     for tls in args.tls.split(","):
         for scheme in args.scheme.split(","):
             for thresh in args.thresh.split(","):

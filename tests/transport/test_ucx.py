@@ -50,8 +50,8 @@ def _readline(proc: subprocess.Popen, timeout: float = WAIT) -> str:
     return proc.stdout.readline().decode().strip()
 
 
-def _queued_in_our_sockets() -> int:
-    """Bytes received by the kernel for this process's TCP sockets and not read yet."""
+def _our_sockets() -> list[list[str]]:
+    """/proc/net/tcp{,6} rows of this process's TCP sockets."""
     mine = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -60,14 +60,21 @@ def _queued_in_our_sockets() -> int:
             continue
         if target.startswith("socket:["):
             mine.add(target[8:-1])
-    total = 0
+    rows = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[9] in mine:
-                    total += int(cols[4].split(":")[1], 16)
-    return total
+            rows += [cols for cols in (line.split() for line in f.readlines()[1:]) if cols[9] in mine]
+    return rows
+
+
+def _queued_in_our_sockets() -> int:
+    """Bytes received by the kernel for this process's TCP sockets and not read yet."""
+    return sum(int(cols[4].split(":")[1], 16) for cols in _our_sockets())
+
+
+def _listening() -> set[str]:
+    """`address:port` (hex, as /proc shows it) of this process's listening TCP sockets."""
+    return {cols[1] for cols in _our_sockets() if cols[3] == "0A"}
 
 
 def _until(cond, timeout: float = WAIT) -> bool:
@@ -254,6 +261,17 @@ def test_more_runs_than_a_write_may_tag_are_refused_before_anything_moves(monkey
     finally:
         tx.close()
         rx.close()
+
+
+def test_ucx_listens_only_on_the_interface_of_the_host_given() -> None:
+    before = _listening()
+    with transport.create("ucx", host="127.0.0.1") as tx, transport.create("ucx", host="127.0.0.1") as rx:
+        assert tx.device == "lo"
+        tx.connect(rx.address())  # the receiver's link worker listens too
+        opened = _listening() - before
+        # the control listener, the sending workers' and the link worker's UCX listeners
+        assert len(opened) >= 4, opened
+        assert all(a.startswith("0100007F:") for a in opened), opened  # 127.0.0.1
 
 
 def test_importing_ucxx_leaves_the_ucx_environment_as_it_was() -> None:

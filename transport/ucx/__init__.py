@@ -36,10 +36,11 @@ table):
   measured here (no GPU), so not claimed.
 * Peer error handling — without which a sender dying between its
   rendezvous request and our read aborts the *receiving* process (measured:
-  SIGABRT from `process_vm_readv ... No such process` in cma_ep.c) — keeps
-  only transports that can report a dead peer: on one host, tcp alone, even
-  with UCX's full list (nixl's `tls="all"` is tcp here too, for the same
-  reason).
+  SIGABRT from `process_vm_readv ... No such process` in cma_ep.c) — keeps,
+  for tag messages, only transports that can report a dead peer: on one host
+  without a GPU, tcp alone, even with UCX's full list (`UCX_PROTO_INFO=y`
+  on two `ucx-all` processes). NIXL's RMA puts do go over cma under the
+  same setting (its gpu-check test): UCX decides this per protocol.
 
 So: `tls="tcp"` (the default), one UCX worker per inbound link, the fence
 retires it (`capabilities.fence` True, pinned by
