@@ -205,6 +205,31 @@ def test_an_announce_the_region_cannot_hold_ends_the_link_before_any_receive(
     assert (dst == 0x5A).all()
 
 
+@pytest.mark.parametrize("garbage", [b"\x03" + bytes(40), b"", bytes(range(256)) * 4],
+                         ids=["unknown version", "empty", "noise"])
+def test_a_hello_with_a_worker_address_ucx_cannot_read_is_refused_and_the_engine_lives(garbage) -> None:
+    # UCX aborts the process on an address of an unknown version; the engine must never hand one over
+    from pdxfer.transport.testing.rig import Backend, PeerProcess
+    from pdxfer.transport.ucx import wire
+    from pdxfer.transport.wire import ErrorMessage
+
+    peer = PeerProcess(Backend.named("ucx"), 1 << 20)
+    try:
+        host, port = peer.address["host"], peer.address["port"]
+        with socket.create_connection((host, port), timeout=WAIT) as sock:
+            wire.CONTROL.send(sock, wire.Hello("hostile", garbage))
+            reply = wire.CONTROL.recv(sock)
+        assert isinstance(reply, ErrorMessage), reply
+        assert ("not in this UCX's format" in reply.reason
+                or "no UCX endpoint to the worker address" in reply.reason), reply.reason
+        with transport.create("ucx") as tx:  # the peer process still serves
+            src = tx.register(torch.ones(4096, dtype=torch.uint8))
+            tx.connect(peer.address).write(src, peer.descriptor, np.array([[0, 0, 4096]], np.int64)).wait(WAIT)
+        assert peer.child.poll() is None
+    finally:
+        peer.kill()
+
+
 def test_a_replayed_transfer_number_ends_the_link(raw_sender) -> None:
     from pdxfer.transport.wire import ErrorMessage
 

@@ -120,7 +120,10 @@ class UcxInbound(ControlInbound):
             raise PeerLostError("link fenced")
         self.worker = lib.worker(self.host.context)
         self.host.progress.adopt(self.worker)
-        self.ep = lib.endpoint(self.worker, sender)
+        try:
+            self.ep = lib.endpoint(self.worker, sender)
+        except PeerLostError as exc:  # the address, not the peer, is what failed: say so to it
+            raise ProtocolError(f"no UCX endpoint to the worker address in the hello: {exc}") from exc
         return lib.worker_address(self.worker)
 
     def regions_reply(self, query: int) -> Regions:

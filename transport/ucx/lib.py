@@ -116,7 +116,23 @@ def worker_address(w: Any) -> bytes:
 
 
 def endpoint(w: Any, address: bytes) -> Any:
-    """An endpoint of `w` to the worker at `address`, with UCX's peer error handling."""
+    """An endpoint of `w` to the worker at `address`, with UCX's peer error handling.
+
+    `address` comes from a peer (an inbound link's `Hello`, before anything
+    else is known of it), and UCX's address parser is not written for hostile
+    input: an unknown header version aborts the process
+    (`ucs_assertv_always(addr_version == V2)`, address.c; measured with random
+    bytes). So the header is checked here against our own worker's first —
+    a peer running another UCX address format is refused, not parsed.
+    What is left is UCX's own bounds handling (corrupted or truncated
+    addresses of the right version: some hundreds at random, no crash here).
+    """
+    own = bytes(w.address)[:1]
+    if not address or not own or (address[0] & 0x0F) != (own[0] & 0x0F):
+        raise ProtocolError(
+            f"the peer's UCX worker address ({len(address)} B, header "
+            f"{address[:1].hex() or 'none'}) is not in this UCX's format (header {own.hex()}); "
+            f"both sides must run the same UCX (here {VERSION})")
     try:
         peer = ucx.UCXAddress.create_from_buffer(address)
         return ucx.UCXEndpoint.create_from_worker_address(w, peer, True)
