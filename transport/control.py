@@ -24,6 +24,12 @@ Two kit classes carry it:
   (build its side of the link, return the `Welcome`), then `Refresh` and
   `Bye` until the link ends, when it fences itself. Sends (acks, `Gone`,
   replies) that fail fence the link: a sender that stopped reading is gone.
+  `hand_over(landed)` is the progress thread's one way to pass notes on:
+  the kit's delivery rule, then one `Acks` frame.
+* `LinkRegions`: every inbound control link is given every live region
+  (nixl registers it on the link's agent, verbs makes the link's MR),
+  atomically with a region being registered, and told `Gone` when one is
+  deregistered.
 
 `WIRE` is a module holding the backend's `CONTROL` protocol and its frame
 classes (`Hello`, `Welcome`, `Regions`) beside the shared ones below.
@@ -47,6 +53,7 @@ from .errors import ClosedError, PeerLostError, ProtocolError, TransferTimeout, 
 from .inbound import InboundLink, InboundTable
 from .link import Link, LinkContext, Remote
 from .listener import Slot, read_hello
+from .regions import Region, RegionTable
 from .wire import ErrorMessage
 
 log = logging.getLogger(__name__)
@@ -260,6 +267,14 @@ class ControlInbound(InboundLink):
         """A frame of the backend's own (ucx's announces); False if it is not one. Raises to end the link."""
         return False
 
+    def add_region(self, region: Region) -> None:
+        """Give this link's sender `region` (its registration on the link's data path)."""
+        raise NotImplementedError
+
+    def region_gone(self, region_id: int) -> None:
+        """Region `region_id` was deregistered (its registrations closed): tell the sender."""
+        self.send(Gone(region_id))
+
     # -- the link's thread ----------------------------------------------------------------
     def run(self) -> None:
         w = self.WIRE
@@ -295,6 +310,11 @@ class ControlInbound(InboundLink):
         self.fence()
 
     # -- what the receiver says ------------------------------------------------------------
+    def hand_over(self, landed: list[tuple[int, bytes | None]]) -> None:
+        """Deliver landed transfers' notifies (the kit's rule), then acknowledge them in one frame."""
+        if self.deliver(payload for _, payload in landed):
+            self.ack([seq for seq, _ in landed])
+
     def ack(self, seqs: list[int]) -> None:
         """Tell the sender these transfers landed (after their notify was delivered)."""
         if seqs:
@@ -322,4 +342,41 @@ class ControlInbound(InboundLink):
         except OSError:
             pass
         self.sock.close()
+
+
+class LinkRegions:
+    """Every live region, given to every inbound control link of one engine, atomically.
+
+    A region registered while a link is being admitted must reach it either
+    way: `registered` and `admit` hold one lock, so a new link gets every
+    region `live()` lists and every later one.
+    """
+
+    def __init__(self, regions: RegionTable, inbound: InboundTable, kind: type[ControlInbound]) -> None:
+        self._regions, self._inbound, self._kind = regions, inbound, kind
+        self._lock = threading.Lock()
+
+    def links(self) -> list[ControlInbound]:
+        """The live, identified inbound links of this engine's kind."""
+        return [link for link in self._inbound.links()
+                if isinstance(link, self._kind) and not link.dead and link.sender is not None]
+
+    def registered(self, region: Region) -> None:
+        """A region was registered: give it to every link."""
+        with self._lock:
+            for link in self.links():
+                link.add_region(region)
+
+    def admit(self, link: ControlInbound) -> list[Region]:
+        """A new link: give it every live region; those regions."""
+        with self._lock:
+            regions = self._regions.live()
+            for region in regions:
+                link.add_region(region)
+        return regions
+
+    def deregistered(self, region: Region) -> None:
+        """A region was deregistered (its registrations closed): tell every link."""
+        for link in self.links():
+            link.region_gone(region.region_id)
 

@@ -162,11 +162,14 @@ class EngineBase(TransportEngine):
     name: ClassVar[str]
     capabilities: Capabilities  # the class's: defaults; an instance's: from its options
     UNUSED_OPTIONS: ClassVar[frozenset[str]] = frozenset()
+    # Whether a `fence=False` option switches this backend's fence off (`forced_fence`).
+    FENCE_OPTION: ClassVar[bool] = False
 
     @classmethod
     def capabilities_for(cls, options: Mapping[str, Any]) -> Capabilities:
         """This backend's capabilities with these constructor options (the one place they are computed)."""
-        del options
+        if cls.FENCE_OPTION:
+            return forced_fence(cls.capabilities, cls.name, options.get("fence", True))
         return cls.capabilities
 
     def __init__(self, *, connect_timeout: float, options: Mapping[str, Any]) -> None:

@@ -189,7 +189,11 @@ class InboundTable:
         return bool(self.of(sender))
 
     def incarnations(self, sender: str) -> dict[str, bool]:
-        """Per link incarnation of `sender` we still track: whether every link of it has settled."""
+        """Per link incarnation of `sender` we still track: whether every link of it has settled.
+
+        An incarnation no longer listed has ended entirely (every link of it
+        settled and was forgotten).
+        """
         out: dict[str, bool] = {}
         with self._lock:
             for link in self._links:

@@ -38,7 +38,6 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -46,7 +45,7 @@ import numpy as np
 from .base import Capabilities
 from .copying import CopyPool
 from .device_copy import copy_rows
-from .engine import EngineBase, forced_fence
+from .engine import EngineBase
 from .errors import CapabilityError, PeerLostError, TransportError
 from .inbound import InboundLink, InboundTable
 from .link import Link, LinkContext, Remote
@@ -171,10 +170,7 @@ class LoopbackEngine(EngineBase):
         cuda_memory=True, cuda_zero_copy=True, cross_process=False,
         one_sided=True, notify=True, read=False, listens=False,
     )
-
-    @classmethod
-    def capabilities_for(cls, options: Mapping[str, Any]) -> Capabilities:
-        return forced_fence(cls.capabilities, cls.name, options.get("fence", True))
+    FENCE_OPTION = True
 
     def __init__(
         self,

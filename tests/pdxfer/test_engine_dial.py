@@ -18,56 +18,13 @@ import threading
 import time
 
 import pytest
-from pdxfer.transport.wire import LENGTH
+from pdxfer.transport.testing.rig import Trickler
 from pdxfer_testkit import build_pools, config
 
 from pdxfer import DecodeEngine, PrefillEngine, transport
 from pdxfer.protocol import CONTROL, Hello
 
 WAIT = 20.0
-
-
-class _FakeDataListener:
-    """Accepts one dial, reads its hello frame, then trickles a welcome a byte every 0.2 s."""
-
-    def __init__(self, silent: bool = False) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.silent = silent
-        self.accepted, self.hung_up, self.stop = threading.Event(), threading.Event(), threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        self.server.settimeout(WAIT * 3)
-        try:
-            conn, _ = self.server.accept()
-        except OSError:
-            return
-        self.accepted.set()
-        with conn:
-            try:
-                head = conn.recv(4, socket.MSG_WAITALL)
-                if len(head) == 4:
-                    conn.recv(LENGTH.unpack(head)[0], socket.MSG_WAITALL)
-                    if not self.silent:
-                        conn.sendall(LENGTH.pack(1000))
-                while not self.stop.is_set():
-                    conn.settimeout(0.2)
-                    try:
-                        if not conn.recv(1):
-                            break  # the dialer hung up
-                    except TimeoutError:
-                        if not self.silent:
-                            conn.sendall(b"\x00")
-            except OSError:
-                pass
-        self.hung_up.set()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.server.close()
-        self.thread.join(WAIT)
 
 
 def _hello_pointing_at(prefill: PrefillEngine, mute: DecodeEngine, backend: str, port: int) -> socket.socket:
@@ -85,7 +42,7 @@ def _listening(backend: str) -> None:
 
 def test_a_trickled_welcome_cannot_hold_the_prefills_dial_past_connect_timeout(backend) -> None:
     _listening(backend)
-    fake = _FakeDataListener(silent=False)
+    fake = Trickler(every=0.2)
     cfg = config(backend, timeout=30.0, connect_timeout=1.0)
     before = set(threading.enumerate())
     try:

@@ -16,37 +16,15 @@ returns); a broken one returns at once, and the step then lands after it.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from pdxfer.transport import loopback
 from pdxfer.transport.errors import PeerLostError
 from pdxfer.transport.tcp import recv as tcp_recv
 from pdxfer.transport.testing import Backend, Rig, StepGate
-from pdxfer.transport.testing.rig import SRC_BYTES, WAIT
+from pdxfer.transport.testing.rig import SRC_BYTES, WAIT, drop_while_gated
 
 FENCE_WAIT = 1.0
-
-
-def _drop_while_gated(rig: Rig, gate: StepGate) -> np.ndarray:
-    """drop_peer on the receiver while `gate` holds its step; the destination as it returned."""
-    assert gate.entered.wait(WAIT), "the gated step never ran"
-    snapshot: list[np.ndarray] = []
-
-    def drop() -> None:
-        rig.rx.drop_peer(rig.tx.engine_id)
-        gate.fence_done.set()
-        snapshot.append(rig.dst.copy())
-
-    dropper = threading.Thread(target=drop)
-    dropper.start()
-    dropper.join(FENCE_WAIT)  # a broken fence returns here, with the step still held
-    gate.open()
-    dropper.join(WAIT)
-    assert not dropper.is_alive(), "drop_peer never returned"
-    assert gate.finished.wait(WAIT)
-    return snapshot[0]
 
 
 WHOLE = np.array([[0, 0, SRC_BYTES]], np.int64)
@@ -57,7 +35,7 @@ def test_loopback_drop_peer_waits_out_a_copy_in_progress(monkeypatch) -> None:
         gate = StepGate(loopback.move)
         monkeypatch.setattr(loopback, "move", gate)
         handle = rig.conn.write(rig.src_region, rig.remote, WHOLE, notify=b"late")
-        at_return = _drop_while_gated(rig, gate)
+        at_return = drop_while_gated(rig, gate, FENCE_WAIT)
         assert not gate.ran_after_fence, "the copy started after drop_peer returned"
         assert np.array_equal(rig.dst, at_return), "bytes landed after drop_peer returned"
         with pytest.raises(PeerLostError):  # its notify may not start after the fence: not confirmed
@@ -78,7 +56,7 @@ def test_tcp_no_byte_lands_after_drop_peer_returns(monkeypatch, step: str) -> No
         gate = StepGate(getattr(tcp_recv, step))
         monkeypatch.setattr(tcp_recv, step, gate)
         handle = rig.conn.write(rig.src_region, rig.remote, WHOLE, notify=b"late")
-        at_return = _drop_while_gated(rig, gate)
+        at_return = drop_while_gated(rig, gate, FENCE_WAIT)
         assert np.array_equal(rig.dst, at_return), "bytes landed after drop_peer returned"
         with pytest.raises(PeerLostError):
             handle.wait(WAIT)

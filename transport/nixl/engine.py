@@ -37,11 +37,11 @@ import dataclasses
 import itertools
 import logging
 import socket
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from ..base import Capabilities
+from ..control import LinkRegions
 from ..engine import EngineBase
 from ..link import Link
 from ..listener import DEFAULT_MAX_PENDING, Slot
@@ -51,7 +51,6 @@ from .inbound import InboundPeer
 from .progress import Progress
 from .requests import Requests
 from .send import NixlLink
-from .wire import Gone
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +90,11 @@ class NixlEngine(EngineBase):
         self.tls = FULL_TLS if tls is None else check_tls(tls)
         # UCX listens on every interface it may use: keep it on the one `host` names
         self.device = interface_of(host)
-        self._admitting = threading.Lock()  # a new link's regions vs a region being registered
+        self._shared = LinkRegions(self.regions, self.inbound, InboundPeer)  # every link gets every region
         self._serial = itertools.count(1)
         self._initiator = Initiator(self.engine_id, self.tls, self.device)
         self._requests = Requests(self._initiator)
-        self._progress = Progress(self.engine_id, self._requests, self.inbound)
+        self._progress = Progress(self.engine_id, self._requests, self._shared)
         try:
             self.listen(host, port, max_pending)
         except BaseException:
@@ -110,24 +109,10 @@ class NixlEngine(EngineBase):
     # -- memory -------------------------------------------------------------------------
     def on_register(self, region: Region) -> None:
         region.adopt("initiator", self._initiator.register(region))
-        with self._admitting:
-            for peer in self._peers():
-                peer.add_region(region)
+        self._shared.registered(region)
 
     def on_deregister(self, region: Region) -> None:
-        for peer in self._peers():
-            peer.send(Gone(region.region_id))
-
-    def _peers(self) -> list[InboundPeer]:
-        return [p for p in self.inbound.links() if isinstance(p, InboundPeer) and not p.dead]
-
-    def _admit(self, peer: InboundPeer) -> list[Region]:
-        """Register every live region on a new link's agent (atomically with `register`)."""
-        with self._admitting:
-            regions = self.regions.live()
-            for region in regions:
-                peer.add_region(region)
-        return regions
+        self._shared.deregistered(region)
 
     # -- links ------------------------------------------------------------------------------
     def open_link(self, address: dict[str, Any]) -> Link:
@@ -138,7 +123,7 @@ class NixlEngine(EngineBase):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = InboundPeer(self.inbound, sock, where, slot, engine_id=self.engine_id,
                            serial=next(self._serial), tls=self.tls, device=self.device,
-                           admit=self._admit, live=self.regions.live)
+                           admit=self._shared.admit, live=self.regions.live)
         if not (self.inbound.track(peer) and peer.start(peer.run, f"nixl-in {where}")):
             slot.admitted()  # closing: nothing more is served
             sock.close()

@@ -27,8 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..inbound import InboundTable
-from .inbound import InboundPeer
+from ..control import LinkRegions
 from .requests import Requests
 
 log = logging.getLogger(__name__)
@@ -41,9 +40,9 @@ BUSY_MAX_DELAY = 0.5e-3  # while a send is in flight: its bytes move only when w
 class Progress:
     """The thread that drives one engine's NIXL agents."""
 
-    def __init__(self, name: str, requests: Requests, inbound: InboundTable) -> None:
+    def __init__(self, name: str, requests: Requests, links: LinkRegions) -> None:
         self._requests = requests
-        self._inbound = inbound
+        self._links = links
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"nixl-progress {name}", daemon=True)
@@ -81,15 +80,9 @@ class Progress:
         for link, error in failed:
             worked = True
             link.sever(error)
-        for peer in self._inbound.links():
-            if not isinstance(peer, InboundPeer) or peer.dead or peer.sender is None:
-                continue
+        for peer in self._links.links():
             landed = peer.poll()
-            if not landed:
-                continue
-            worked = True
-            # The kit's delivery rule: under the link's guard, never once it is fenced
-            # (re-entrant: a handler may drop_peer).
-            if peer.deliver(payload for _, payload in landed):
-                peer.ack([seq for seq, _ in landed])
+            if landed:
+                worked = True
+                peer.hand_over(landed)  # the kit's delivery rule, then one Acks frame
         return worked, sending

@@ -26,12 +26,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Mapping
 from typing import Any
 
 from ..base import Capabilities
 from ..dial import tune
-from ..engine import EngineBase, forced_fence
+from ..engine import EngineBase
 from ..errors import CapabilityError
 from ..link import Link
 from ..listener import DEFAULT_MAX_PENDING, Slot
@@ -56,10 +55,7 @@ class TcpEngine(EngineBase):
         cuda_memory=True, cuda_zero_copy=False, cross_process=True,
         one_sided=False, notify=True, read=False,
     )
-
-    @classmethod
-    def capabilities_for(cls, options: Mapping[str, Any]) -> Capabilities:
-        return forced_fence(cls.capabilities, cls.name, options.get("fence", True))
+    FENCE_OPTION = True
 
     def __init__(
         self,

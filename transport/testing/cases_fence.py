@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ..errors import CapabilityError, PeerLostError
-from .rig import SRC_BYTES, WAIT, Backend, Rig, StepGate, good_table, need
+from .rig import SRC_BYTES, WAIT, Backend, Rig, StepGate, drop_while_gated, good_table, need
 from .tables import assert_landed
 
 # How long a broken fence is given to return while the gated step is held: a
@@ -101,26 +101,6 @@ def test_drop_peer_from_inside_the_notify_handler_does_not_deadlock(backend: Bac
         assert_landed(rig.src, rig.dst, good_table())
 
 
-def _drop_while_gated(rig: Rig, gate: StepGate) -> np.ndarray:
-    """drop_peer on the receiver while `gate` holds its step; the destination as it returned."""
-    assert gate.entered.wait(WAIT), "the gated step never ran"
-    snapshot: list[np.ndarray] = []
-
-    def drop() -> None:
-        rig.rx.drop_peer(rig.tx.engine_id)
-        gate.fence_done.set()
-        snapshot.append(rig.dst.copy())
-
-    dropper = threading.Thread(target=drop)
-    dropper.start()
-    dropper.join(FENCE_WAIT)  # a broken fence returns here, with the step still held
-    gate.open()
-    dropper.join(WAIT)
-    assert not dropper.is_alive(), "drop_peer never returned"
-    assert gate.finished.wait(WAIT)
-    return snapshot[0]
-
-
 def test_no_notify_starts_after_drop_peer_returns(backend: Backend, monkeypatch) -> None:
     with Rig(backend) as rig:
         need(rig.rx, "fence")
@@ -129,7 +109,7 @@ def test_no_notify_starts_after_drop_peer_returns(backend: Backend, monkeypatch)
         monkeypatch.setattr(rig.rx.inbound, "notify", gate)
         whole = np.array([[0, 0, SRC_BYTES]], np.int64)
         handle = rig.conn.write(rig.src_region, rig.remote, whole, notify=b"fenced")
-        _drop_while_gated(rig, gate)
+        drop_while_gated(rig, gate, FENCE_WAIT)
         assert gate.ran_after_fence is False, "a notify was handed to the handler after drop_peer returned"
         try:  # the bytes landed before the fence; whether the ack got out is backend timing
             handle.wait(WAIT)

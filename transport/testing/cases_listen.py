@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ClosedError, TransferTimeout, TransportError
 from ..wire import HANDSHAKE_MAX_FRAME, LENGTH
-from .rig import WAIT, Backend, need, until
+from .rig import WAIT, Backend, Trickler, need, until
 
 
 def _eof_within(sock: socket.socket, timeout: float) -> bool:
@@ -133,54 +133,10 @@ def test_listener_binds_the_ipv6_wildcard(backend: Backend) -> None:
             assert _eof_within(sock, 30.0)
 
 
-class _Trickler:
-    """A fake peer: accepts, reads the hello frame, then answers one byte every `every` s."""
-
-    def __init__(self, every: float, silent: bool = False) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.every, self.silent = every, silent
-        self.accepted = threading.Event()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        self.server.settimeout(WAIT)
-        try:
-            conn, _ = self.server.accept()
-        except OSError:
-            return
-        self.accepted.set()
-        with conn:
-            try:
-                head = conn.recv(4, socket.MSG_WAITALL)
-                if len(head) < 4:
-                    return  # the dialer gave up (its engine closed) before its hello
-                conn.recv(LENGTH.unpack(head)[0], socket.MSG_WAITALL)
-                if self.silent:
-                    self.stop.wait(WAIT)
-                    return
-                conn.sendall(LENGTH.pack(1000))  # a welcome "is coming"... one byte at a time
-                while not self.stop.wait(self.every):
-                    conn.sendall(b"\x00")
-            except OSError:
-                return
-
-    def address(self, backend: str) -> dict:
-        return {"backend": backend, "engine": f"{backend}-trickler", "host": "127.0.0.1",
-                "port": self.port}
-
-    def close(self) -> None:
-        self.stop.set()
-        self.server.close()
-        self.thread.join(WAIT)
-
-
 def test_a_peer_trickling_its_welcome_cannot_hold_a_dial_past_connect_timeout(backend: Backend) -> None:
     need(backend, "listens")
     with backend.create(connect_timeout=0.5) as eng:
-        peer = _Trickler(every=0.1)
+        peer = Trickler(every=0.1)
         try:
             t0 = time.monotonic()
             with pytest.raises(TransferTimeout, match="connect_timeout=0.5"):
@@ -194,7 +150,7 @@ def test_a_peer_trickling_its_welcome_cannot_hold_a_dial_past_connect_timeout(ba
 def test_close_ends_a_dial_in_progress(backend: Backend) -> None:
     need(backend, "listens")
     eng = backend.create(connect_timeout=60.0)
-    peer = _Trickler(every=0.2, silent=True)
+    peer = Trickler(every=0.2, silent=True)
     try:
         errors: list[BaseException] = []
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ import pytest
 import torch
 
 from ..base import Capabilities, TransportEngine
+from ..wire import LENGTH
 from .tables import CANARY, assert_landed
 
 SRC_BYTES = 4 << 20
@@ -223,6 +225,81 @@ class StepGate:
 
     def open(self) -> None:
         self.opened.set()
+
+
+class Trickler:
+    """A fake peer for dials: accepts, reads the hello frame, then announces a 1000-byte welcome
+    and sends it one byte every `every` s (or stays silent), until the dialer hangs up.
+    """
+
+    def __init__(self, every: float, silent: bool = False) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.every, self.silent = every, silent
+        self.accepted, self.hung_up, self.stop = threading.Event(), threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.server.settimeout(WAIT * 3)
+        try:
+            conn, _ = self.server.accept()
+        except OSError:
+            return
+        self.accepted.set()
+        with conn:
+            try:
+                head = conn.recv(4, socket.MSG_WAITALL)
+                if len(head) == 4:  # else the dialer gave up (its engine closed) before its hello
+                    conn.recv(LENGTH.unpack(head)[0], socket.MSG_WAITALL)
+                    if not self.silent:
+                        conn.sendall(LENGTH.pack(1000))  # a welcome "is coming"... a byte at a time
+                conn.settimeout(self.every)
+                while not self.stop.is_set():
+                    try:
+                        if not conn.recv(1):
+                            break  # the dialer hung up
+                    except TimeoutError:
+                        if not self.silent:
+                            conn.sendall(b"\x00")
+            except OSError:
+                pass
+        self.hung_up.set()
+
+    def address(self, backend: str) -> dict[str, Any]:
+        """An address of `backend` that leads here."""
+        return {"backend": backend, "engine": f"{backend}-trickler", "host": "127.0.0.1",
+                "port": self.port}
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.close()
+        self.thread.join(WAIT)
+
+
+def drop_while_gated(rig: Rig, gate: StepGate, fence_wait: float) -> np.ndarray:
+    """`drop_peer` on the receiver while `gate` holds its step; the destination as it returned.
+
+    A correct fence blocks until the gate opens (so the step ends before it
+    returns); a broken one returns within `fence_wait`, with the step still
+    held, and the step then runs after it (`gate.ran_after_fence`).
+    """
+    assert gate.entered.wait(WAIT), "the gated step never ran"
+    snapshot: list[np.ndarray] = []
+
+    def drop() -> None:
+        rig.rx.drop_peer(rig.tx.engine_id)
+        gate.fence_done.set()
+        snapshot.append(rig.dst.copy())
+
+    dropper = threading.Thread(target=drop)
+    dropper.start()
+    dropper.join(fence_wait)  # a broken fence returns here, with the step still held
+    gate.open()
+    dropper.join(WAIT)
+    assert not dropper.is_alive(), "drop_peer never returned"
+    assert gate.finished.wait(WAIT)
+    return snapshot[0]
 
 
 def need(subject: TransportEngine | Backend, flag: str, why: str = "") -> None:

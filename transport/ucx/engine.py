@@ -30,6 +30,7 @@ import pdxfer.transport.ucx.lib as lib  # absolute: `from . import` depends on u
 import torch
 
 from ..base import Capabilities
+from ..control import LinkRegions
 from ..dial import tune
 from ..engine import EngineBase
 from ..errors import CapabilityError
@@ -40,7 +41,6 @@ from ..ucxenv import interface_of
 from .inbound import Host, UcxInbound
 from .progress import Progress
 from .send import UcxLink
-from .wire import Gone
 
 
 def check_tls(tls: Any) -> str:
@@ -90,6 +90,7 @@ class UcxEngine(EngineBase):
                 self._start, self.connect_timeout, "starting UCX")
             self.host = Host(self.engine_id, self.progress, self.context, self.regions,
                              self.connect_timeout)
+            self.link_regions = LinkRegions(self.regions, self.inbound, UcxInbound)
             self.listen(host, port, max_pending)
         except BaseException:
             self.progress.stop()
@@ -122,9 +123,7 @@ class UcxEngine(EngineBase):
             sock.close()
 
     def on_deregister(self, region: Region) -> None:
-        for link in self.inbound.links():
-            if isinstance(link, UcxInbound) and not link.dead:
-                link.send(Gone(region.region_id))
+        self.link_regions.deregistered(region)  # each inbound link tells its sender `Gone`
 
     @property
     def abandoned_workers(self) -> int:

@@ -129,6 +129,9 @@ class UcxInbound(ControlInbound):
     def regions_reply(self, query: int) -> Regions:
         return Regions(query, region_rows(self.host.regions.live()))
 
+    def add_region(self, region: Any) -> None:
+        """Nothing to make per link: UCX needs no registration of ours (its cache is its own)."""
+
     # -- announces (the control thread) ---------------------------------------------------------
     def on_frame(self, msg: Any) -> bool:
         """An `Announce`: check it, then have its receives posted. Raises to end the link."""

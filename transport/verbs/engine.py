@@ -29,7 +29,6 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
-import threading
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import pdxfer.transport.verbs.api as verbs_api  # absolute: `from . import` depends on verbs/__init__
 
 from ..base import Capabilities
+from ..control import LinkRegions
 from ..engine import EngineBase
 from ..errors import CapabilityError
 from ..link import Link
@@ -47,7 +47,6 @@ from .inbound import InboundPeer
 from .mem import access_flags, close_dmabufs, register_mr
 from .progress import Progress
 from .send import VerbsLink
-from .wire import Gone
 
 log = logging.getLogger(__name__)
 MAX_SGE = 16  # more SGEs per WR buys little and costs WQE size
@@ -118,9 +117,9 @@ class VerbsEngine(EngineBase):
                 max_sge=max(1, min(p.max_sge, MAX_SGE)), max_msg=max(4096, min(p.max_msg_sz, MAX_MSG)),
                 fence=fence, dmabufs={})
             self._idle = True  # the progress thread stopped at close (else the device is left open)
-            self._admitting = threading.Lock()  # a new link's MRs vs a region being registered
+            self._shared = LinkRegions(self.regions, self.inbound, InboundPeer)  # every link, every region
             self._serial = itertools.count(1)
-            self._progress = Progress(self.engine_id, self.outbound, self.inbound)
+            self._progress = Progress(self.engine_id, self.outbound, self._shared)
         except BaseException:
             ctx.close()
             raise
@@ -141,24 +140,10 @@ class VerbsEngine(EngineBase):
         mr, base = register_mr(dev.api, dev.pd, region, access_flags(dev.api, dev.fence == "qp"),
                                dev.dmabufs)
         region.adopt("mr", LocalMR(mr, base))
-        with self._admitting:
-            for peer in self._peers():
-                peer.add_region(region)
+        self._shared.registered(region)
 
     def on_deregister(self, region: Region) -> None:
-        for peer in self._peers():
-            peer.forget_region(region.region_id)
-            peer.send(Gone(region.region_id))
-
-    def _peers(self) -> list[InboundPeer]:
-        return [p for p in self.inbound.links() if isinstance(p, InboundPeer) and not p.dead]
-
-    def _admit(self, peer: InboundPeer) -> list[Region]:
-        with self._admitting:
-            regions = self.regions.live()
-            for region in regions:
-                peer.add_region(region)
-        return regions
+        self._shared.deregistered(region)
 
     # -- links ------------------------------------------------------------------------------
     def open_link(self, address: dict[str, Any]) -> Link:
@@ -167,7 +152,7 @@ class VerbsEngine(EngineBase):
     def accept(self, sock: socket.socket, where: str, slot: Slot) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = InboundPeer(self.inbound, sock, where, slot, engine_id=self.engine_id,
-                           serial=next(self._serial), dev=self.dev, admit=self._admit)
+                           serial=next(self._serial), dev=self.dev, admit=self._shared.admit)
         if not (self.inbound.track(peer) and peer.start(peer.run, f"verbs-in {where}")):
             slot.admitted()  # closing: nothing more is served
             sock.close()

@@ -168,10 +168,11 @@ class InboundPeer(ControlInbound):
             if found is not None and found[2]:
                 found[0].close()
 
-    def forget_region(self, region_id: int) -> None:
-        """A shared-MR region was deregistered (fence="qp"): stop announcing it."""
+    def region_gone(self, region_id: int) -> None:
+        """Stop announcing a deregistered region (under fence="qp" its MR was the engine's), say Gone."""
         with self.lock:
             self._mrs.pop(region_id, None)
+        super().region_gone(region_id)
 
     # -- the data path (the progress thread) -------------------------------------------------
     def poll(self) -> list[tuple[int, bytes | None]] | None:

@@ -14,9 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from ..control import LinkRegions
 from ..engine import Outbound
-from ..inbound import InboundTable
-from .inbound import InboundPeer
 
 log = logging.getLogger(__name__)
 IDLE_POLL = 0.002  # longest sleep of an idle progress thread (s)
@@ -26,8 +25,8 @@ JOIN_TIMEOUT = 5.0
 class Progress:
     """The thread that polls one engine's completion queues."""
 
-    def __init__(self, name: str, outbound: Outbound, inbound: InboundTable) -> None:
-        self._outbound, self._inbound = outbound, inbound
+    def __init__(self, name: str, outbound: Outbound, links: LinkRegions) -> None:
+        self._outbound, self._links = outbound, links
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"verbs-progress {name}")
@@ -63,13 +62,9 @@ class Progress:
         busy = False
         for link in self._outbound.links():
             busy |= link.poll()
-        for peer in self._inbound.links():
-            if not isinstance(peer, InboundPeer) or peer.dead or peer.sender is None:
-                continue
+        for peer in self._links.links():
             notes = peer.poll()
-            if not notes:
-                continue
-            busy = True
-            if peer.deliver(payload for _, payload in notes):
-                peer.ack([seq for seq, _ in notes])
+            if notes:
+                busy = True
+                peer.hand_over(notes)  # the kit's delivery rule, then one Acks frame
         return busy
