@@ -45,7 +45,7 @@ from ..control import ControlInbound, ints
 from ..errors import ClosedError, PeerLostError, ProtocolError, RegistrationError
 from ..inbound import InboundTable
 from ..listener import Slot
-from ..segments import check_ranges
+from ..segments import check_notify, check_ranges
 from .progress import Batch, Progress
 from .wire import Announce, Hello, Posted, Regions, Welcome, region_rows
 
@@ -159,6 +159,7 @@ class UcxInbound(ControlInbound):
             raise RegistrationError(f"engine {self.host.engine_id} has no region {msg.region} "
                                     f"({what}); it was deregistered — ask for a fresh descriptor")
         runs = ints(msg.ranges, 2, what)
+        check_notify(msg.notify)  # the sender's limit, held here too: a frame may carry 1 MiB
         with self._lock:
             xfer = self._transfers.get(msg.transfer)
             if xfer is None:
