@@ -183,9 +183,18 @@ def status(req: Any) -> Exception | None:
 
 
 def translate(exc: BaseException, what: str) -> TransportError:
-    """Our error for a UCXX exception raised while doing `what` (raise it `from exc`)."""
+    """Our error for a UCXX exception raised while doing `what` (raise it `from exc`).
+
+    Its `__cause__` is set here too: a link severed with it (not raised) keeps the cause.
+    """
     if isinstance(exc, TransportError):
         return exc
+    out = _translate(exc, what)
+    out.__cause__ = exc
+    return out
+
+
+def _translate(exc: BaseException, what: str) -> TransportError:
     if isinstance(exc, (ucx.UCXConnectionResetError, ucx.UCXEndpointTimeoutError,
                         ucx.UCXUnreachableError, ucx.UCXNotConnectedError, ucx.UCXRejectedError)):
         return PeerLostError(f"{what}: the peer is gone ({type(exc).__name__}: {exc})")
