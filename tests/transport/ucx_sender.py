@@ -2,9 +2,9 @@
 
 Run as `python ucx_sender.py NBYTES`; reads one line from stdin — hex of
 msgpack `{"address": ..., "descriptor": ...}` of the receiving engine and
-region — then prints `engine <id>`, posts one write of NBYTES (bytes 0xAB)
-and prints `done` or `failed <error class>` when its handle ends, and waits
-for stdin to close.
+region — then prints `engine <id>`, connects, prints `connected`, waits
+for a line `go`, posts one write of NBYTES (bytes 0xAB) and prints `done`
+or `failed <error class>` when its handle ends, and waits for stdin to close.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def main(nbytes: int) -> None:
         src = engine.register(torch.full((nbytes,), 0xAB, dtype=torch.uint8))
         print("engine", engine.engine_id, flush=True)
         conn = engine.connect(peer["address"])
+        print("connected", flush=True)
+        sys.stdin.readline()  # "go": the test has set up its side of the link
         handle = conn.write(src, peer["descriptor"], np.array([[0, 0, nbytes]], np.int64), notify=b"late")
         try:
             handle.wait(60)
