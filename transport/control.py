@@ -105,6 +105,13 @@ class Bye:
     TYPE: ClassVar[str] = "bye"
 
 
+def ints(data: bytes, width: int, what: str) -> np.ndarray:
+    """Raw little-endian int64 bytes as an `[n, width]` array (`ProtocolError` if ragged)."""
+    if len(data) % (8 * width):
+        raise ProtocolError(f"{what}: {len(data)} B is not a whole number of {width}-int rows")
+    return np.frombuffer(data, dtype="<i8").reshape(-1, width).astype(np.int64)
+
+
 def seqs_of(msg: Acks) -> list[int]:
     """The sequence numbers an `Acks` frame names (`ProtocolError` if ragged)."""
     if len(msg.seqs) % 8:
@@ -125,6 +132,7 @@ class ControlledLink(Link):
         self._queries: dict[int, threading.Event] = {}
         self._hung_up = False
         self._reader: threading.Thread | None = None
+        self.send_lock = threading.Lock()  # one frame at a time: callers' refreshes, Bye, a backend's own
         self.peer_regions: dict[int, Any] = {}
         self.sock, self.welcome = dial(dials, host, port, self.WIRE.CONTROL, hello,
                                        timeout=ctx.connect_timeout, peer=peer, what=self.what)
@@ -145,6 +153,10 @@ class ControlledLink(Link):
 
     def hang_up_path(self) -> None:
         """Free the data path's resources as the link dies (once)."""
+
+    def on_frame(self, msg: Any) -> bool:
+        """A frame of the backend's own (ucx's `Posted`); False if it is not one. Raises to sever."""
+        return False
 
     # -- the kit's hooks --------------------------------------------------------------
     def resolve(self, region_id: int) -> Remote | None:
@@ -167,7 +179,8 @@ class ControlledLink(Link):
         if self._hung_up:
             return
         try:  # the peer fences us on Bye and hangs up; its hang-up ends our reader
-            self.WIRE.CONTROL.send(self.sock, Bye())
+            with self.send_lock:
+                self.WIRE.CONTROL.send(self.sock, Bye())
         except (TransportError, OSError):
             pass
         reader = self._reader
@@ -183,7 +196,8 @@ class ControlledLink(Link):
                 raise self.error
             self._queries[query] = done
         try:
-            self.WIRE.CONTROL.send(self.sock, Refresh(query))
+            with self.send_lock:
+                self.WIRE.CONTROL.send(self.sock, Refresh(query))
             timeout = self.ctx.connect_timeout
             if not done.wait(timeout):
                 raise TransferTimeout(
@@ -210,6 +224,8 @@ class ControlledLink(Link):
                         done.set()
                 elif isinstance(msg, Gone):
                     self.peer_regions = {k: v for k, v in self.peer_regions.items() if k != msg.region}
+                elif self.on_frame(msg):
+                    pass
                 elif isinstance(msg, ErrorMessage):
                     raise ProtocolError(f"{self.what} hung up: {msg.reason}")
                 else:
@@ -260,6 +276,10 @@ class ControlInbound(InboundLink):
     def stop_path(self) -> None:
         """Stop the data path: return once no byte of this link can land (the fence's core)."""
 
+    def on_frame(self, msg: Any) -> bool:
+        """A frame of the backend's own (ucx's announces); False if it is not one. Raises to end the link."""
+        return False
+
     def add_region(self, region: Region) -> None:
         """Give this link's sender `region` (its registration on the link's data path)."""
         raise NotImplementedError
@@ -287,7 +307,7 @@ class ControlInbound(InboundLink):
                     self._send(self.regions_reply(msg.query))
                 elif isinstance(msg, Bye):
                     break
-                else:
+                elif not self.on_frame(msg):
                     raise ProtocolError(f"unexpected {type(msg).TYPE} from sender {self.sender}")
         except (TransportError, OSError) as exc:
             if not self.dead and not isinstance(exc, PeerLostError):

@@ -29,10 +29,10 @@ def test_without_cuda_it_refuses_with_the_reason(tmp_path: Path, capsys: pytest.
 
 def test_host_run_of_the_in_process_sections_writes_exact_figures(tmp_path: Path) -> None:
     rc = gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--quick",
-                         "--only", "attributes,copies,loopback,tcp,engine"])
+                         "--only", "attributes,copies,loopback,tcp,ucx,engine"])
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rc == 0, res
-    for section in ("copies", "loopback", "tcp"):
+    for section in ("copies", "loopback", "tcp") + (("ucx",) if "ucx-all" in transport.variants() else ()):
         assert set(res[section]) - {"seconds"} == {name for name, _, _ in gpu_check.TABLES}
         assert all(fig["exact"] is True for k, fig in res[section].items() if k != "seconds")
     assert all(res["copies"][name]["memcpy_gbs"] > 0 for name, _, _ in gpu_check.TABLES)
