@@ -15,8 +15,9 @@ shows) and with destination slots shuffled. Per case, in the same run:
   one `sendall` and one `recv_into` loop — what a naive socket transport does;
 - `tcp`: one `write` between two tcp engines (default stream count), and
   `tcp 1 stream` to show what striping adds;
-- any other installed backend (`nixl`): one `write` between two engines,
-  beside memcpy and tcp;
+- any other installed backend (`nixl`, `ucx`, their `-all` variants): one
+  `write` between two engines, beside memcpy and tcp — and `nixl` and `ucx`
+  beside raw NIXL over tcp, the same UCX transport under both;
 - with nixl installed, `raw NIXL (tcp)` and `raw NIXL (UCX default)`: NIXL
   agents used directly (`bench/rawnixl.py`: prepared descriptor lists, one
   reposted request), on our nixl backend's UCX transports and on UCX's own
@@ -198,6 +199,7 @@ def legend(columns: list[str], streams: int, processes: int = 1) -> dict[str, st
         "tcp/raw NIXL (UCX default)": "tcp GB/s over raw NIXL (UCX default) GB/s",
         "nixl/raw NIXL (tcp)": "nixl GB/s over raw NIXL (tcp) GB/s",
         "nixl-all/raw NIXL (UCX default)": "nixl-all GB/s over raw NIXL (UCX default) GB/s",
+        "ucx/raw NIXL (tcp)": "ucx GB/s over raw NIXL (tcp) GB/s (both UCX over tcp)",
     }
     out = {}
     for c in columns:
@@ -238,8 +240,8 @@ def _pairs(backends: list[str], src: np.ndarray, local: LocalPeer, remote: Peer,
     for name in [b for b in backends if b not in ("loopback", "tcp")]:
         pairs[name] = _EnginePair(name, src, local, remote)
         columns += [name, f"{name}/memcpy"] + ([f"{name}/tcp"] if raw is not None else [])
-        if name == "nixl":
-            columns.append("nixl/raw NIXL (tcp)")
+        if name in ("nixl", "ucx") and nixls:
+            columns.append(f"{name}/raw NIXL (tcp)")
         if name == "nixl-all":
             columns.append("nixl-all/raw NIXL (UCX default)")
         if hasattr(pairs[name].conn, "wrs"):
@@ -265,6 +267,7 @@ def _row(name: str, gbs: dict[str, float], pairs: dict[str, _EnginePair], table:
     ratio("tcp/raw NIXL (UCX default)", "tcp", RAW_DEFAULT)
     ratio("nixl/raw NIXL (tcp)", "nixl", RAW_TCP)
     ratio("nixl-all/raw NIXL (UCX default)", "nixl-all", RAW_DEFAULT)
+    ratio("ucx/raw NIXL (tcp)", "ucx", RAW_TCP)
     for other in [p for p in pairs if p not in ("loopback", "tcp", "tcp 1 stream")]:
         ratio(f"{other}/memcpy", other, "memcpy")
         ratio(f"{other}/tcp", other, "tcp")

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pdxfer.transport.nixl.wire as nixl_wire  # absolute: `from . import` depends on nixl/__init__
 
-from ..control import ControlledLink
+from ..control import ControlledLink, ints
 from ..copying import coalesce_posted
 from ..dial import Dials
 from ..errors import PeerLostError, TransportError
@@ -42,7 +42,7 @@ from ..posting import Post
 from ..regions import Region
 from .agent import MAX_BLOCKS, Initiator
 from .requests import Requests, Write, blocks
-from .wire import Hello, Regions, gpu_of, ints, mem_type, pack_note
+from .wire import Hello, Regions, gpu_of, mem_type, pack_note
 
 _keys = itertools.count(1)  # what a link's prepared lists are filed under (never reused)
 
