@@ -400,7 +400,14 @@ class ControlInbound(InboundLink):
 
     def _send(self, msg: Any) -> None:
         with self.send_lock:
-            if self._unsent:  # the rest of an ack frame goes first: frames never interleave
+            # Acks queued before this reply go ahead of it, whole: frames never interleave, and
+            # none is left behind for a `flush_acks` that may not come (a reply that left acks
+            # queued once stalled a sender that had nothing more to send).
+            with self._ack_lock:
+                seqs, self._acks = self._acks, []
+            if seqs:
+                self._unsent += self.WIRE.CONTROL.pack(Acks(np.asarray(seqs, dtype="<i8").tobytes()))
+            if self._unsent:
                 self.sock.sendall(self._unsent)
                 self._unsent = b""
             self.WIRE.CONTROL.send(self.sock, msg)

@@ -146,6 +146,25 @@ def test_acks_to_a_sender_that_stopped_reading_queue_whole_and_go_out_in_order(m
         theirs.close()
 
 
+def test_a_reply_carries_the_acks_queued_before_it() -> None:
+    # Acks queued while another frame held the socket go out ahead of the next reply, not on a
+    # `flush_acks` the progress thread may never need to make again (CI once hung there).
+    ours, theirs = socket.socketpair()
+    link = _Inbound(InboundTable("t", lambda s, p: None), ours, "pair", _Slot())
+    try:
+        with link.send_lock:  # a reply is being sent: the ack cannot go now
+            link.ack_nowait([1, 2, 3])
+        assert link.unacked
+        link.send(Gone(7))
+        assert not link.unacked, "the reply left acks behind"
+        theirs.settimeout(WAIT)
+        first, second = (verbs_wire.CONTROL.recv(theirs) for _ in range(2))
+        assert seqs_of(first) == [1, 2, 3] and second == Gone(7)
+    finally:
+        ours.close()
+        theirs.close()
+
+
 def test_registering_a_region_for_one_link_stalls_no_other_links_completions(
         two_senders, monkeypatch) -> None:
     (_, _, rx), (_, conn_b), (_, src_b), dst, (peer_a, _) = two_senders
