@@ -71,7 +71,7 @@ class DecodeEngine(Engine):
         rid = check_request_id(request_id)
         parse_address(prefill_addr)
         xid = next(self._xids)
-        dst, msg = expect_message(self._pools, rid, xid, indices)
+        dst, msg = expect_message(self._pools.arenas, rid, xid, indices)
         with self._lock:
             self._check_open()
             life = DecodeLife(rid, xid, msg, self._timing, time.monotonic(), fence=self._can_fence)

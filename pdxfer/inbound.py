@@ -20,7 +20,6 @@ from pdxfer import layout
 
 from .errors import RequestError
 from .lifecycle import DecodeLife
-from .pools import PoolSet
 from .protocol import MAX_FRAME, Expect, pack_indices
 from .requests import Request
 from .session import Link
@@ -56,17 +55,28 @@ class PrefillPeer:
         self.requests: set[str] = set()  # Expect sent, not yet finished
 
 
-def expect_message(pools: PoolSet, rid: str, xid: int, indices: Mapping[str, Any]
+def expect_message(arenas: Mapping[str, Any], rid: str, xid: int, indices: Mapping[str, Any]
                    ) -> tuple[dict[str, np.ndarray], Expect]:
     """`(destinations per pool, the Expect to send)`, or the refusal naming what was wrong."""
+    dst = expect_destinations(arenas, rid, indices)
+    return dst, Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()})
+
+
+def expect_destinations(arenas: Mapping[str, Any], rid: str, indices: Mapping[str, Any]
+                        ) -> dict[str, np.ndarray]:
+    """Every check `expect_message` runs, without framing: for a caller that checks before it commits.
+
+    `tp_group.HeteroTPDecode` asks this for each of its sub-requests before
+    the first exists, so a refusal leaves none behind.
+    """
     if not isinstance(indices, Mapping) or not indices:
         raise RequestError(f"expect({rid!r}): indices must be a non-empty mapping pool -> indices")
     dst = {}
     for pool, idx in indices.items():
-        arena = pools.arenas.get(pool)
+        arena = arenas.get(pool)
         if arena is None:
             raise RequestError(
-                f"expect({rid!r}): no pool {pool!r} on this decode; pools: {sorted(pools.arenas)}"
+                f"expect({rid!r}): no pool {pool!r} on this decode; pools: {sorted(arenas)}"
             )
         dst[pool] = layout.check_indices(arena, idx, what=f"pool {pool!r} destination index",
                                          unique=True)
@@ -84,4 +94,4 @@ def expect_message(pools: PoolSet, rid: str, xid: int, indices: Mapping[str, Any
     if size > MAX_FRAME:
         raise RequestError(f"expect({rid!r:.80}): its Expect cannot be framed: up to {size} B "
                            f"exceeds the {MAX_FRAME} B control frame limit; use shorter pool names")
-    return dst, Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()})
+    return dst

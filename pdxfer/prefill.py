@@ -102,9 +102,14 @@ class PrefillEngine(DecodePeers, Engine):
         with self._lock:
             self._check_open()
             req = self._table.find(rid)
+            checked = False
             if req is None:
+                tomb = self._table.tombstones.get(rid)
+                if tomb is None:  # checked before the record exists: refused leaves nothing
+                    self._check_sources(chunk)
+                    checked = True
                 req = PrefillRequest(rid, PrefillLife(rid, self._timing, now, local=True))
-                tomb = self._table.tombstones.pop(rid)
+                self._table.tombstones.pop(rid)
                 self._table.add(req)
                 if tomb is not None:  # the decode gave up on it before the caller got here
                     return self._apply(req, req.life.on_abort(tomb.reason or "failed", now, False))
@@ -114,12 +119,16 @@ class PrefillEngine(DecodePeers, Engine):
             ready = session is not None and session.ready
             if life.posts_now(ready):
                 chunk.parts = plan_chunk(req, chunk, self._pools)  # refusals raise here, before any change
-            else:
-                for pool, src in chunk.indices.items():
-                    layout.check_indices(self._pools.arenas[pool], src, what=f"pool {pool!r} source index")
+            elif not checked:
+                self._check_sources(chunk)
             self._apply(req, life.on_send(chunk, chunk.last, ready, now))
             if session is not None and not ready:
                 self._reopen(session)
+
+    def _check_sources(self, chunk: Chunk) -> None:
+        """Refuse source indices outside their pools: what a queued chunk is checked by."""
+        for pool, src in chunk.indices.items():
+            layout.check_indices(self._pools.arenas[pool], src, what=f"pool {pool!r} source index")
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Give up on a request; the decode hears of it at once. Non-blocking."""
