@@ -3,10 +3,15 @@
 A serving worker allocates destination entries and calls
 `expect(request_id, prefill_addr, {pool: dst_indices})`. The first request to
 a prefill dials its bootstrap address and runs the handshake (the request is
-Bootstrapping meanwhile); a layout mismatch fails the request with the pool
-and field named, before any byte could move. The link is then cached and
-reused; a lost link is forgotten, so the next request dials afresh — a
-restarted prefill on the same port serves it.
+Bootstrapping meanwhile). A host name is resolved off the progress thread
+(`resolver`); a prefill not reachable yet — a decode started first — is
+dialled again with backoff until `connect_timeout` has passed, and only then
+are its requests failed, as "cannot reach", never "lost". A refused
+handshake (a layout mismatch: the pool and field named, before any byte
+could move) fails the requests waiting for it and tells the prefill which
+ones, in the same words, so its senders fail at once too. The link is then
+cached and reused; a lost link is forgotten, so the next request dials
+afresh — a restarted prefill on the same port serves it.
 
 What a request may do next is its `lifecycle.DecodeLife`'s decision; this
 module is its driver. Success is declared from the transport's notifies
@@ -30,21 +35,23 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from pdxfer.transport.errors import PeerLostError, ProtocolError
+from pdxfer.transport.errors import ProtocolError
 
 from .config import EngineConfig, KVPoll
+from .decode_dials import Dials
 from .engine import Engine
 from .handshake import welcome_mismatch, why_lost
 from .inbound import DecodeRequest, PrefillPeer, expect_message
 from .lifecycle import DecodeLife, DPhase, Fence, Finish, Quarantine, Send, Timing
-from .protocol import Abort, AbortAck, Fenced, Hello, Ping, Refuse, Welcome, decode_notify
+from .protocol import Abort, AbortAck, Fenced, Ping, Refuse, Welcome, decode_notify
 from .requests import check_request_id
+from .resolver import Lookups
 from .session import Link, parse_address
 
 log = logging.getLogger("pdxfer")
 
 
-class DecodeEngine(Engine):
+class DecodeEngine(Dials, Engine):
     """The receiving side; dials prefills on demand and fences them when they misbehave."""
 
     role = "decode"
@@ -53,6 +60,8 @@ class DecodeEngine(Engine):
         self._sessions: dict[str, PrefillPeer] = {}
         self._xids = itertools.count(1)
         super().__init__(pools, config)
+        self._lookups = Lookups(f"pdxfer-resolve-{self.engine_id}",
+                                lambda *a: self._progress.call(self._resolved, *a))
         self._timing = Timing(self.config.request_wait, self.config.grace)
         self._transport.set_notify_handler(self._on_notify)
         self._can_fence = self._transport.capabilities.fence
@@ -128,36 +137,18 @@ class DecodeEngine(Engine):
                 self._apply(req, req.life.on_fenced())
 
     # -- request flow (progress thread unless said otherwise) ------------------------
-    def _start(self, req: DecodeRequest) -> None:
-        if self._closed:
-            return
-        session = self._sessions.get(req.peer)
-        if session is None:
-            try:
-                session = self._dial(req.peer)
-            except OSError as exc:  # no socket, or a host name that does not resolve
-                why = f"cannot connect to prefill at {req.peer}: {exc}"
-                with self._lock:
-                    self._apply(req, req.life.on_link_lost(why, PeerLostError(why)))
-                return
-        with self._lock:
-            req.session = session
-            session.requests.add(req.id)
-            if session.ready:
-                self._apply(req, req.life.on_link_ready(time.monotonic()))
-            else:
-                session.waiting.append(req)
+    def _doom(self, session: PrefillPeer) -> None:
+        """Tell a prefill that refused us which requests that fails, in the words they fail with.
 
-    def _dial(self, addr: str) -> PrefillPeer:
-        host, port = parse_address(addr)
-        session = PrefillPeer(addr)
-        link = Link.dial(host, port, self._progress, f"prefill at {addr}", self._on_message,
-                         lambda lk, why: self._progress.call(self._link_lost, lk, why))
-        link.owner, session.link = session, link
-        self._sessions[addr] = session
-        link.send(Hello(self.engine_id, self.config.transport, self._transport.address(),
-                        **self._pools.hello_fields()))
-        return session
+        An `Abort` per waiting request, sent before we hang up: the prefill
+        fails its senders of those ids at once (#18). A prefill that has
+        already hung up never reads them, which costs nothing.
+        """
+        reason, _ = why_lost(session.addr, session.refusal, "")
+        with self._lock:
+            doomed = [(r.id, r.life.xid) for r in session.waiting]
+        for rid, xid in doomed:
+            session.link.send(Abort(rid, xid, reason, False))
 
     def _on_notify(self, sender: str, payload: bytes) -> None:
         """Transport thread: one transfer of some request landed. Short; never blocks."""
@@ -189,6 +180,9 @@ class DecodeEngine(Engine):
                 self._on_welcome(session, msg)
             elif isinstance(msg, Refuse):
                 session.refusal = (msg.kind, msg.reason)
+                log.warning("pdxfer decode: prefill at %s refused the handshake (%s): %s",
+                            session.addr, msg.kind, msg.reason)
+                self._doom(session)
                 link.close(f"prefill at {session.addr} refused the handshake: {msg.reason}")
             else:
                 link.refuse(f"expected welcome or refuse, got {type(msg).TYPE!r}")
@@ -213,6 +207,8 @@ class DecodeEngine(Engine):
             return session.link.refuse(str(exc))
         if reason is not None:
             session.refusal = ("layout", reason)
+            log.warning("pdxfer decode: refused prefill at %s: %s", session.addr, reason)
+            self._doom(session)
             return session.link.close(f"layout mismatch with prefill at {session.addr}")
         session.engine = msg.engine
         session.ready = True
@@ -230,6 +226,10 @@ class DecodeEngine(Engine):
         session: PrefillPeer = link.owner
         if self._closed:
             return  # close() fails the requests itself, after the transport is down
+        if link.connecting:  # it never connected: nothing was lost
+            if session.link is link:
+                self._not_reached(session, reason)
+            return
         if self._sessions.get(session.addr) is session:
             del self._sessions[session.addr]  # the next request dials afresh
         reason, error = why_lost(session.addr, session.refusal, reason)
@@ -244,6 +244,7 @@ class DecodeEngine(Engine):
     # -- timers (progress thread) ----------------------------------------------------
     def _tick(self, now: float) -> float:
         cfg = self.config
+        close, wake = self._tick_dials(now)  # first: a request unreached says so, not "timed out"
         fences: dict[int, tuple[PrefillPeer, list[DecodeRequest]]] = {}
         with self._lock:
             for req in self._table.running():
@@ -257,10 +258,9 @@ class DecodeEngine(Engine):
             with self._lock:
                 for req in gone:
                     self._apply(req, req.life.on_peer_gone())
-        close = []
         for session in list(self._sessions.values()):
             link = session.link
-            if link is None or link.closed:
+            if link is None or link.closed or link.connecting:
                 continue
             if not session.ready and now - link.opened > cfg.bootstrap_wait:
                 close.append((link, f"handshake with prefill at {session.addr} did not finish "
@@ -270,11 +270,12 @@ class DecodeEngine(Engine):
         self._close_links(close)
         for session, reqs in fences.values():
             self._fence(session, reqs)
-        return 0.005 if aborting else min(0.1, cfg.heartbeat / 2)
+        return 0.005 if aborting else min(0.1, cfg.heartbeat / 2, wake)
 
     # -- close ----------------------------------------------------------------
     def _shutdown(self) -> None:
         self._run_on_progress(self._shutdown_on_thread, self.config.shutdown_wait)
+        self._lookups.close(self.config.shutdown_wait)
 
     def _shutdown_on_thread(self) -> None:
         with self._lock:

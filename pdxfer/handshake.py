@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from pdxfer.transport.errors import CapabilityError, PeerLostError, ProtocolError, TransportError
+from pdxfer.transport.errors import CapabilityError, PeerLostError, ProtocolError
 
 from .pools import PoolSet, Route, layout_error, mismatch, peer_routes
 from .protocol import Hello, Welcome
@@ -144,11 +144,14 @@ class DataLinks:
             handles = [conn.write(region, remote, _EMPTY) for region, remote in peer.warm]
             for handle in handles:
                 handle.wait(max(0.001, until - time.monotonic()))
-        except (TransportError, OSError) as exc:
+        # Not only transport errors: a failed pinned allocation (RuntimeError,
+        # MemoryError) or a backend bug must also end this attempt, or the
+        # peer stays "opening" and no later request ever reopens it.
+        except Exception as exc:  # noqa: BLE001 — reported to the engine, which fails the connect
             if conn is not None:
                 try:
                     conn.close()
-                except TransportError:
+                except Exception:  # noqa: BLE001 — the attempt already failed; its first cause is kept
                     pass
             self._on_failed(peer, epoch, exc)
             return

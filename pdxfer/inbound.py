@@ -41,12 +41,24 @@ class DecodeRequest(Request):
 
 
 class PrefillPeer:
-    """One prefill engine as this decode sees it, keyed by its bootstrap address."""
+    """One prefill engine as this decode sees it, keyed by its bootstrap address.
 
-    __slots__ = ("addr", "engine", "link", "ready", "refusal", "requests", "waiting")
+    Until its control link first connects, the decode keeps dialling it until
+    `connect_by` (`decode.DecodeEngine._not_reached`): `attempts` so far,
+    `retry_at` the next, `resolving` while its host name is being looked up,
+    `why_not` what the last attempt ran into.
+    """
 
-    def __init__(self, addr: str) -> None:
+    __slots__ = ("addr", "attempts", "connect_by", "engine", "link", "ready", "refusal",
+                 "requests", "resolving", "retry_at", "waiting", "why_not")
+
+    def __init__(self, addr: str, connect_by: float) -> None:
         self.addr = addr
+        self.connect_by = connect_by
+        self.attempts = 0
+        self.retry_at: float | None = None
+        self.resolving = False
+        self.why_not: str | None = None
         self.link: Link | None = None
         self.engine: str | None = None  # the prefill's transport engine id, from Welcome
         self.ready = False

@@ -31,7 +31,7 @@ from pdxfer.transport.errors import ProtocolError, TransportError
 from .config import EngineConfig, KVPoll, RequestStats
 from .engine import Engine
 from .errors import LayoutError, RequestError
-from .handshake import DataLinks
+from .handshake import DataLinks, Refusal
 from .lifecycle import Cut, Finish, PrefillLife, Send, Timing
 from .outbound import (
     Chunk,
@@ -183,6 +183,12 @@ class PrefillEngine(DecodePeers, Engine):
             if isinstance(msg, Hello):
                 return self._on_hello(link, msg)
             return link.refuse(f"expected a hello first, got {type(msg).TYPE!r}")
+        if isinstance(session, Refusal):  # a refused decode names the requests that dooms
+            if not isinstance(msg, (Abort, Ping)):
+                link.refuse(f"refused ({session.reason}); expected only its aborts, got {type(msg).TYPE!r}")
+            if not isinstance(msg, Abort):
+                return
+            session = None
         if isinstance(msg, Expect):
             return self._on_expect(session, msg)
         if isinstance(msg, Fenced):
@@ -198,8 +204,8 @@ class PrefillEngine(DecodePeers, Engine):
             if isinstance(msg, Abort) and req is None:  # nothing here yet: remember why
                 self._table.tombstones.add(msg.request, RequestOutcome(
                     KVPoll.Failed, msg.reason, None, RequestStats(0, 0, 0, 0.0)))
-            ours = (isinstance(req, PrefillRequest) and req.life.xid == msg.xid
-                    and req.session is session)
+            ours = (session is not None and isinstance(req, PrefillRequest)
+                    and req.life.xid == msg.xid and req.session is session)
             if isinstance(msg, Done):
                 if ours:
                     req.handles = []  # decode saw every notify: every byte is in its memory
@@ -207,7 +213,7 @@ class PrefillEngine(DecodePeers, Engine):
             elif ours or (isinstance(req, PrefillRequest) and not req.life.expected):
                 self._apply(req, req.life.on_peer_abort(msg.reason, now, bool(unfinished(req.handles))),
                             via=session)
-            else:
+            elif session is not None:
                 session.link.send(AbortAck(msg.request, msg.xid, True))
 
     def _on_expect(self, session: DecodePeer, msg: Expect) -> None:
@@ -251,6 +257,6 @@ class PrefillEngine(DecodePeers, Engine):
                                                                  err, now))
                 self._apply(req, req.life.on_tick(now, bool(unfinished(req.handles))))
                 failing = failing or req.life.failing is not None
-            silent = self._watch(self._links, now, lambda link: link.owner is not None)
+            silent = self._watch(self._links, now, lambda link: isinstance(link.owner, DecodePeer))
         self._close_links(silent)
         return 0.005 if failing else min(0.1, cfg.heartbeat / 2)
