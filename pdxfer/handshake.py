@@ -29,7 +29,6 @@ caller, so a slow old dial can never install itself over a newer one.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +39,7 @@ from pdxfer.transport.errors import CapabilityError, PeerLostError, ProtocolErro
 
 from .pools import PoolSet, Route, layout_error, mismatch, peer_routes
 from .protocol import Hello, Welcome
+from .workers import Workers
 
 _EMPTY = np.empty((0, 3), dtype=np.int64)
 
@@ -86,20 +86,18 @@ def why_lost(addr: str, refusal: tuple[str, str] | None, reason: str) -> tuple[s
     return reason, PeerLostError(reason)
 
 
-class DataLinks:
-    """Worker threads that (re)open data connections and close dead ones; joined on close."""
+class DataLinks(Workers):
+    """Worker threads that (re)open data connections and close dead ones; joined on close
+    (bounded: each is bounded by the connect wait)."""
 
     def __init__(self, transport: Any, wait: float, name: str,
                  on_ready: Callable[[Any, int, Any], None],
                  on_failed: Callable[[Any, int, BaseException], None]) -> None:
+        super().__init__(name)
         self._transport = transport
         self._wait = wait
-        self._name = name
         self._on_ready = on_ready
         self._on_failed = on_failed
-        self._lock = threading.Lock()
-        self._threads: set[threading.Thread] = set()
-        self._closed = False
 
     def open(self, peer: Any, epoch: int, old: Any = None) -> None:
         """Start (re)opening `peer`'s data connection; `old`, if given, is closed first."""
@@ -108,21 +106,6 @@ class DataLinks:
     def retire(self, conn: Any, then: Callable[[], None] | None = None) -> None:
         """Close `conn` off the caller's thread, then run `then` (e.g. post a callback)."""
         self._spawn(self._retire, conn, then)
-
-    def _spawn(self, fn: Callable[..., None], *args: Any) -> None:
-        thread = threading.Thread(target=self._guard, args=(fn, *args), daemon=True, name=self._name)
-        with self._lock:
-            if self._closed:
-                return
-            self._threads.add(thread)
-        thread.start()
-
-    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            fn(*args)
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
 
     @staticmethod
     def _retire(conn: Any, then: Callable[[], None] | None) -> None:
@@ -156,12 +139,3 @@ class DataLinks:
             self._on_failed(peer, epoch, exc)
             return
         self._on_ready(peer, epoch, conn)
-
-    def close(self, timeout: float) -> None:
-        """Stop taking work and join the workers (bounded: each is bounded by the connect wait)."""
-        with self._lock:
-            self._closed = True
-            threads = list(self._threads)
-        until = time.monotonic() + timeout
-        for thread in threads:
-            thread.join(max(0.0, until - time.monotonic()))

@@ -13,7 +13,7 @@ The family (IPv4 or IPv6) is whatever `getaddrinfo` answers — `localhost`
 may be `::1` only — never guessed from the spelling.
 
 The bound is the caller's: the decode stops waiting for an answer at the
-end of its connect window and drops one that comes later (`decode.py`).
+end of its connect window and drops one that comes later (`decode_dials.py`).
 A lookup stuck inside the system resolver cannot be ended by anything;
 `close` joins each worker for a bounded time and leaves such a one behind as
 a daemon thread — the one deliberate exception to "close joins what it
@@ -23,10 +23,10 @@ started", since the alternative is a close that does not return.
 from __future__ import annotations
 
 import socket
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
+
+from .workers import Workers
 
 # (family, sockaddr) pairs, in the resolver's order of preference.
 Addrs = list[tuple[int, Any]]
@@ -50,42 +50,20 @@ def resolve_blocking(host: str, port: int, flags: int = 0) -> Addrs:
     return _pairs(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=flags))
 
 
-class Lookups:
+class Lookups(Workers):
     """One worker thread per name lookup; `on_done(key, addrs, error)` runs on that thread."""
 
     def __init__(self, name: str, on_done: Callable[[Any, Addrs | None, BaseException | None], None]) -> None:
-        self._name = name
+        super().__init__(name)
         self._on_done = on_done
-        self._lock = threading.Lock()
-        self._threads: set[threading.Thread] = set()
-        self._closed = False
 
     def start(self, key: Any, host: str, port: int) -> None:
         """Resolve `host` in the background; nothing happens after `close`."""
-        thread = threading.Thread(target=self._run, args=(key, host, port), daemon=True,
-                                  name=self._name)
-        with self._lock:
-            if self._closed:
-                return
-            self._threads.add(thread)
-        thread.start()
+        self._spawn(self._run, key, host, port)
 
     def _run(self, key: Any, host: str, port: int) -> None:
         try:
             addrs, error = resolve_blocking(host, port), None
         except Exception as exc:  # noqa: BLE001 — any failure is this lookup's answer
             addrs, error = None, exc
-        try:
-            self._on_done(key, addrs, error)
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
-
-    def close(self, timeout: float) -> None:
-        """Take no more lookups; join the running ones for at most `timeout` in all."""
-        with self._lock:
-            self._closed = True
-            threads = list(self._threads)
-        until = time.monotonic() + timeout
-        for thread in threads:
-            thread.join(max(0.0, until - time.monotonic()))
+        self._on_done(key, addrs, error)
