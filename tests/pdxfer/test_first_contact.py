@@ -185,5 +185,6 @@ def test_a_slow_name_lookup_does_not_stop_the_progress_thread(monkeypatch) -> No
                     r"cannot reach prefill at slow.test:4000 within 1.0 s \(connect_timeout; "
                     r"\d+ attempts?\): no answer resolving 'slow.test'")):
                 decode.wait("slow", QUICK)
+            resolver.release.set()  # the late answer is dropped; close() joins its thread at once
     finally:
         resolver.release.set()
