@@ -1,5 +1,5 @@
 # Two entry points, both from a fresh clone: `make demo` and `make test`.
-# The venv is rebuilt only when pyproject.toml changes (the stamp file).
+# The venv is rebuilt only when pyproject.toml or setup.py changes (the stamp file).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -11,9 +11,9 @@ STAMP  := $(VENV)/.pdxfer-installed
 # satisfied instead of pulling a CUDA build of its own.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench clean pyverbs gpu-check
+.PHONY: setup demo test test-sglang test-vllm lint bench clean pyverbs gpu-check
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
@@ -27,6 +27,15 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# SGLang's and vLLM's own code driving pdxfer (tests/engines/): each builds its own pinned
+# venv under .cache/ on first use (minutes; then cached), and skips with the reason where
+# the pins cannot be installed, except under CI=true.
+test-sglang:
+	tests/engines/run.sh sglang
+
+test-vllm:
+	tests/engines/run.sh vllm
 
 # Real pyverbs for the fabric's honesty tests, unpacked under .cache/ (never installed
 # system-wide); the tests fetch it themselves too, this only does it ahead of time.

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdxfer import transport  # noqa: E402
-from pdxfer.bench_peer import LocalPeer  # noqa: E402
-from pdxfer.bench_rawnixl import RawNixlPair  # noqa: E402
+from pdxfer.bench.peer import LocalPeer  # noqa: E402
+from pdxfer.bench.rawnixl import RawNixlPair  # noqa: E402
 
 
 def main() -> int:
@@ -38,7 +38,10 @@ def main() -> int:
     parser.add_argument("--segment-kib", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=1, help="independent set-ups, one line each")
+    parser.add_argument("--tiny", action="store_true", help="4 MiB, one run, one round: a smoke run")
     args = parser.parse_args()
+    if args.tiny:
+        args.total_mib, args.reps, args.rounds = 4, 1, 1
     total, seg = args.total_mib << 20, args.segment_kib << 10
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, total, dtype=np.uint8)

@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--layers", type=int, default=4, help="layers of the layer-major KV case")
     parser.add_argument("--quick", action="store_true", help="10,000 entries, 3 repeats")
+    parser.add_argument("--tiny", action="store_true", help="1,000 entries, 1 repeat: a smoke run")
     args = parser.parse_args(argv)
-    n, repeat = (10_000, 3) if args.quick else (args.entries, args.repeat)
+    n, repeat = ((1_000, 1) if args.tiny else (10_000, 3) if args.quick
+                 else (args.entries, args.repeat))
     rng = np.random.default_rng(0)
 
     state = EntryMajorArena(compressor_fields(), n, META)

@@ -51,7 +51,10 @@ def main() -> int:
     parser.add_argument("--api", choices=("real", "soft"), default="real")
     parser.add_argument("--wrs", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--tiny", action="store_true", help="64 WRs, one run: a smoke run")
     args = parser.parse_args()
+    if args.tiny:
+        args.wrs, args.reps = 64, 1
     api = load() if args.api == "real" else soft()
     print(f"# {args.api} pyverbs objects, {args.wrs} WRs per run, median of {args.reps}")
     print("| SGEs/WR | build us/WR | link us/WR | us per SGE |")

@@ -32,7 +32,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pdxfer.layout import EntryField, EntryMajorArena, LayerMajorArena, plan_segments
+from pdxfer.layout import (
+    ElasticPools,
+    EntryField,
+    EntryMajorArena,
+    IndexMap,
+    LayerMajorArena,
+    SplitEntryMajorArena,
+    plan_segments,
+)
 
 from .model import ModelConfig
 
@@ -116,6 +124,75 @@ class EntryAllocator:
         self._free.sort(reverse=True)
 
 
+# The pools of `POOLS` that share one allocation when elastic (the page pool first).
+SHARED = ("kv", "state")
+
+
+class PoolSide:
+    """One pool's view of a `SlotAllocator`: what `caches.EntryAllocator` offers, over the slots."""
+
+    def __init__(self, slots: SlotAllocator, name: str, flag: str) -> None:
+        self.slots, self.name, self._flag = slots, name, flag
+
+    @property
+    def entries(self) -> int:
+        lo, hi = self.slots.live(self.name)
+        return hi - lo
+
+    @property
+    def free(self) -> int:
+        lo, hi = self.slots.live(self.name)
+        return int(np.count_nonzero(~self.slots.used[lo:hi]))
+
+    def take(self, count: int) -> np.ndarray:
+        lo, hi = self.slots.live(self.name)
+        free = np.flatnonzero(~self.slots.used[lo:hi]) + lo
+        if count > free.size:
+            raise PoolExhausted(
+                f"pool {self.name!r} has {free.size} of {hi - lo} entries free, a request needs "
+                f"{count}; start the worker with a larger {self._flag}"
+            )
+        # Nearest the boundary first: the top pages, the bottom states (see `SlotAllocator`).
+        got = free[free.size - count:] if self.name == SHARED[0] else free[:count]
+        self.slots.used[got] = True
+        return got.astype(np.int64)
+
+    def give_back(self, indices: np.ndarray) -> None:
+        idx = np.asarray(indices, dtype=np.int64)
+        if not self.slots.used[idx].all():
+            raise RuntimeError(f"pool {self.name!r}: entries {idx.tolist()} freed twice")
+        self.slots.used[idx] = False
+
+
+class SlotAllocator:
+    """Which slots of an `ElasticPools` hold a live entry, for both of its pools.
+
+    Hands out the free entry NEAREST the boundary first (pages from the top
+    of their range down, states from the bottom up). That is the worst case
+    for a resize, chosen on purpose for the demo (`examples.elastic`): the
+    request in flight then sits where the next move vacates, so every move
+    relocates live entries. A production allocator would hand out entries
+    far from the boundary and move almost nothing.
+    """
+
+    def __init__(self, pools: ElasticPools) -> None:
+        self.pools = pools
+        self.used = np.zeros(pools.slots, dtype=bool)
+
+    def live(self, name: str) -> tuple[int, int]:
+        b = self.pools.boundary
+        return (0, b) if name == SHARED[0] else (b, self.pools.slots)
+
+    def in_use(self, name: str) -> np.ndarray:
+        lo, hi = self.live(name)
+        return np.flatnonzero(self.used[lo:hi]) + lo
+
+    def moved(self, moves: IndexMap) -> None:
+        """The boundary moved: the relocated entries' slots change hands."""
+        self.used[moves.old] = False
+        self.used[moves.new] = True
+
+
 @dataclass(frozen=True)
 class PoolSizes:
     """How many entries each pool of a worker holds."""
@@ -131,18 +208,50 @@ _FLAGS = {"kv": "--kv-pages", "state": "--state-entries", "aux": "--state-entrie
 
 
 class ModelCaches:
-    """The three arenas of one worker (or of the reference run) and their allocators."""
+    """The three arenas of one worker (or of the reference run) and their allocators.
 
-    def __init__(self, cfg: ModelConfig, sizes: PoolSizes, device: torch.device) -> None:
+    `elastic=True` carves `kv` and `state` out of one `layout.ElasticPools`
+    (`kv_pages + state_entries` slots, the boundary after the pages) whose
+    boundary a worker moves (`examples.elastic`); `aux` stays on its own.
+    """
+
+    def __init__(self, cfg: ModelConfig, sizes: PoolSizes, device: torch.device,
+                 elastic: bool = False) -> None:
         fields = pool_fields(cfg)
         counts = sizes.entries()
         self.cfg = cfg
-        self.pools: dict[str, EntryMajorArena] = {
-            name: EntryMajorArena(fields[name], counts[name], device) for name in POOLS
+        self.pools: dict[str, EntryMajorArena | SplitEntryMajorArena] = {
+            name: EntryMajorArena(fields[name], counts[name], device)
+            for name in POOLS if not elastic or name not in SHARED
         }
-        self.allocators = {
-            name: EntryAllocator(name, counts[name], _FLAGS[name]) for name in POOLS
+        self.allocators: dict[str, EntryAllocator | PoolSide] = {
+            name: EntryAllocator(name, counts[name], _FLAGS[name])
+            for name in POOLS if not elastic or name not in SHARED
         }
+        self.elastic: ElasticPools | None = None
+        if elastic:
+            self.elastic = ElasticPools(fields["kv"], fields["state"],
+                                        sizes.kv_pages + sizes.state_entries, sizes.kv_pages,
+                                        device)
+            self.slots = SlotAllocator(self.elastic)
+            self.allocators.update({name: PoolSide(self.slots, name, _FLAGS[name])
+                                    for name in SHARED})
+            self._refresh()
+
+    def _refresh(self) -> None:
+        assert self.elastic is not None
+        self.pools.update(zip(SHARED, (self.elastic.page, self.elastic.state), strict=True))
+
+    def moved(self, moves: IndexMap) -> None:
+        """The elastic boundary moved: take the new arenas, hand the moved slots over."""
+        self._refresh()
+        self.slots.moved(moves)
+
+    def index_space(self, name: str) -> int:
+        """How many indices pool `name` may ever name: its entries, or all the slots it shares."""
+        if self.elastic is not None and name in SHARED:
+            return self.elastic.slots
+        return self.pools[name].entries
 
     def allocate(self, counts: dict[str, int]) -> dict[str, np.ndarray]:
         """Entries for one request from every pool, all or nothing."""
@@ -184,7 +293,7 @@ class LayerMajorBaseline:
 
     def __init__(self, caches: ModelCaches) -> None:
         self._twins = {
-            name: LayerMajorArena(arena.fields, arena.entries, "cpu")
+            name: LayerMajorArena(arena.fields, caches.index_space(name), "cpu")
             for name, arena in caches.pools.items()
         }
 

@@ -26,13 +26,17 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pdxfer.transport.errors import PeerLostError, TransferTimeout
 
 from pdxfer import DecodeEngine, KVPoll, PdxferError, RequestFailed
+from pdxfer.directory import PeerRecord
 
 from .caches import POOLS, ModelCaches, PoolExhausted, decode_counts, prefill_counts
+from .cluster import add_directory_args, model_name, open_from_args, resolve_prefill
+from .elastic import BoundaryMover
 from .model import HybridModel, ModelConfig, deterministic_torch
 from .reference import resolve_device
 from .rpc import (
@@ -43,6 +47,7 @@ from .rpc import (
     HelloReply,
     Prefill,
     PrefillDone,
+    RoutedGenerate,
     RpcClient,
     RpcServer,
     TransferFigures,
@@ -78,21 +83,32 @@ class _EntriesHeld(RuntimeError):
 class DecodeWorker:
     """Model, pools, a `DecodeEngine`, an RPC link to the prefill worker, an RPC server."""
 
-    def __init__(self, opts: WorkerOptions, prefill_rpc: str,
-                 cfg: ModelConfig | None = None) -> None:
+    def __init__(self, opts: WorkerOptions, prefill_rpc: str | None,
+                 cfg: ModelConfig | None = None,
+                 open_directory: Callable[[str], Any] | None = None) -> None:
         self.opts = opts
+        # Without a fixed prefill worker, each RoutedGenerate names an instance
+        # and the directory gives its record (pdxfer) and RPC address (meta).
+        # `open_directory(model name)` opens one following that model's prefills.
         self.prefill_rpc = prefill_rpc
         self.log = logger("decode", opts.verbose)
         self.model = HybridModel(cfg or ModelConfig(), opts.device)
-        self.caches = ModelCaches(self.model.cfg, opts.sizes, self.model.device)
+        self.directory = open_directory(model_name(self.model)) if open_directory else None
+        self.caches = ModelCaches(self.model.cfg, opts.sizes, self.model.device,
+                                  elastic=bool(opts.resize_every))
         self._lock = threading.Lock()
         self._link: RpcClient | None = None
+        self.bootstrap: str | PeerRecord | None = None
         try:
-            self.bootstrap = self._hello_prefill()
+            if prefill_rpc is not None:
+                self.bootstrap = self._hello_prefill()
         except BaseException:
             self._drop_link()
             raise
-        self.engine = DecodeEngine(pools=self.caches.pools, config=opts.engine_config())
+        self.engine = DecodeEngine(pools=self.caches.pools, config=opts.engine_config(),
+                                   directory=self.directory)
+        self.mover = BoundaryMover("decode", self.caches, self.engine, opts.resize_every,
+                                   opts.resize_step)
         try:
             self.server = RpcServer(opts.host, opts.port, self.handle,
                                     functools.partial(self.log, error=True))
@@ -152,7 +168,7 @@ class DecodeWorker:
 
     def ready_info(self) -> dict[str, Any]:
         host, port = self.server.address
-        return {"role": "decode", "rpc": f"{host}:{port}", "prefill": self.prefill_rpc,
+        return {"role": "decode", "rpc": f"{host}:{port}", "prefill": self.prefill_rpc or "",
                 "pid": os.getpid()}
 
     def handle(self, msg: Any) -> Any:
@@ -163,9 +179,29 @@ class DecodeWorker:
         if isinstance(msg, Generate):
             with self._lock:
                 return self._generate(msg)
+        if isinstance(msg, RoutedGenerate):
+            with self._lock:
+                try:
+                    self._route(msg.prefill)
+                except LookupError as exc:
+                    return Failed(msg.request_id, f"decode cannot route {msg.request_id!r}: {exc}")
+                return self._generate(msg)
         return Failed(getattr(msg, "request_id", ""), f"a decode worker does not serve {msg.TYPE!r}")
 
-    def _generate(self, msg: Generate) -> GenerateDone | Failed:
+    def _route(self, instance: str) -> None:
+        """Serve the next request from prefill `instance`, as the directory lists it now."""
+        if self.directory is None:
+            raise LookupError("this decode worker was started without --directory")
+        record = resolve_prefill(self.directory, self.model, instance)
+        rpc = record.meta.get("rpc")
+        if not isinstance(rpc, str):
+            raise LookupError(f"prefill instance {instance!r} registered no RPC address")
+        if rpc != self.prefill_rpc:
+            self._drop_link()
+            self.prefill_rpc = rpc
+        self.bootstrap = record
+
+    def _generate(self, msg: Generate | RoutedGenerate) -> GenerateDone | Failed:
         rid = msg.request_id
         cfg = self.model.cfg
         try:
@@ -176,7 +212,10 @@ class DecodeWorker:
         except (ValueError, PoolExhausted) as exc:
             return Failed(rid, f"decode refused request {rid!r}: {exc}")
         try:
-            figures = self._receive(rid, prompt, idx)
+            figures, resizes = self._receive(rid, prompt, idx)
+            # The caches landed and the engine let go of them: a boundary move now
+            # relocates this request's live entries, and decoding reads them moved.
+            idx, moved = self.mover.maybe(rid, idx)
             tokens = self.model.decode(self.caches, len(prompt), msg.gen_len, idx["kv"],
                                        int(idx["state"][0]), int(idx["aux"][0]))
         except _EntriesHeld as exc:
@@ -188,10 +227,13 @@ class DecodeWorker:
             return Failed(rid, str(exc))
         self.caches.free(idx)
         self.log(f"{rid}: {len(tokens)} tokens after {figures.nbytes} B")
-        return GenerateDone(request_id=rid, tokens=tokens, transfer=figures_to_wire(figures))
+        return GenerateDone(request_id=rid, tokens=tokens, transfer=figures_to_wire(figures),
+                            resizes=resizes + moved)
 
-    def _receive(self, rid: str, prompt: list[int], idx: dict) -> TransferFigures:
+    def _receive(self, rid: str, prompt: list[int], idx: dict) -> tuple[TransferFigures, list]:
         """Get the prompt's caches into `idx`'s leading entries, or raise why not.
+
+        Returns the transfer's figures and the prefill worker's boundary moves (wire form).
 
         On failure the request is aborted and released before this raises,
         unless the engine would not confirm it was fenced: then `_EntriesHeld`,
@@ -208,7 +250,7 @@ class DecodeWorker:
             link.send(Prefill(
                 request_id=rid, prompt=prompt,
                 dst_indices={name: dst[name].tolist() for name in POOLS},
-                dst_entries={name: arena.entries for name, arena in self.caches.pools.items()},
+                dst_entries={name: self.caches.index_space(name) for name in POOLS},
             ))
             done = self._await(rid, link)
         except (PdxferError, RuntimeError, OSError) as exc:
@@ -222,7 +264,7 @@ class DecodeWorker:
                 raise _EntriesHeld(reason) from exc
             raise RuntimeError(reason) from exc
         self.engine.release(rid)
-        return figures_from_wire(done.transfer)
+        return figures_from_wire(done.transfer), list(done.resizes)
 
     def _await(self, rid: str, link: RpcClient) -> PrefillDone:
         """Until the caches have landed AND the prefill worker has confirmed.
@@ -264,6 +306,8 @@ class DecodeWorker:
         """
         self.server.close()
         self.engine.close()
+        if self.directory is not None:
+            self.directory.close()
         got = self._lock.acquire(timeout=_CLOSE_WAIT_S)
         try:
             self._drop_link()
@@ -277,11 +321,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.decode_worker",
                                      description=__doc__.splitlines()[0])
     add_worker_args(parser)
-    parser.add_argument("--prefill", required=True, metavar="HOST:PORT",
+    parser.add_argument("--prefill", default=None, metavar="HOST:PORT",
                         help="the prefill worker's RPC address (its readiness line's 'rpc')")
+    add_directory_args(parser)
     args = parse_worker_args(parser, argv)
+    if (args.prefill is None) == (args.directory is None):
+        parser.error("give --prefill HOST:PORT (one prefill worker) or --directory URL "
+                     "(requests name their prefill instance), not both")
     deterministic_torch()
-    worker = DecodeWorker(options_from_args(args, str(resolve_device(args.device))), args.prefill)
+    opts = options_from_args(args, str(resolve_device(args.device)))
+    follow = None
+    if args.directory is not None:
+        def follow(name: str) -> Any:
+            return open_from_args(args, follow=((name, "prefill"),))
+    worker = DecodeWorker(opts, args.prefill, open_directory=follow)
     announce_ready(worker.ready_info())
     return serve_until_signalled(worker.serve_forever, worker.close, args.die_with_parent)
 

@@ -17,6 +17,13 @@ identical. Exit status 0 only when every request succeeded and matched;
 request N (0-based), to show that a dead peer turns into failed requests and
 a non-zero exit, never a hang.
 
+`--resize-every N` keeps each worker's KV pages and per-request states in one
+allocation (`layout.ElasticPools`) and moves their boundary every N requests
+on both workers, growing the state pool by `--resize-step` slots and
+shrinking it back, in the middle of a request whose entries hold live data
+(`examples.elastic`). Each move prints a line under its request: entries
+moved, bytes, time. The outputs must still be identical.
+
 A transport that cannot cross processes (loopback) runs both workers as
 threads of this process instead; see `examples.launching`.
 
@@ -32,7 +39,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdxfer.transport.errors import PeerLostError, TransferTimeout
 
@@ -40,6 +47,8 @@ from pdxfer import transport
 from pdxfer.cliargs import bounded_int, device_name, positive_float
 
 from .caches import PoolSizes, decode_counts
+from .elastic import ResizeFigures
+from .elastic import figures_from_wire as resize_from_wire
 from .launching import WorkerHandle, WorkerStartError, spawn_worker, start_in_process
 from .model import HybridModel, ModelConfig, deterministic_torch
 from .reference import reference_generate, resolve_device
@@ -54,7 +63,7 @@ from .rpc import (
     expect_reply,
     figures_from_wire,
 )
-from .serving import WorkerOptions, cross_process
+from .serving import WorkerOptions, add_resize_args, cross_process
 
 _STARTUP_TIMEOUT_S = 90.0  # two torch imports on a loaded machine
 
@@ -66,6 +75,7 @@ class Outcome:
     tokens: list[int] | None = None
     figures: TransferFigures | None = None
     error: str | None = None
+    resizes: list[ResizeFigures] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -87,6 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kill-prefill-after", type=bounded_int(0), default=None, metavar="N",
                         help="SIGKILL the prefill worker right after submitting request N")
     parser.add_argument("--verbose", action="store_true", help="workers log each request")
+    add_resize_args(parser)
     args = parser.parse_args(argv)
     if args.transport not in transport.available():
         parser.error(f"transport {args.transport!r} is not installed here; "
@@ -103,7 +114,8 @@ def start_workers(args: argparse.Namespace, device: str, sizes: PoolSizes,
     if cross_process(args.transport):
         common = ["--transport", args.transport, "--device", device,
                   "--kv-pages", str(sizes.kv_pages), "--state-entries", str(sizes.state_entries),
-                  "--timeout", str(args.timeout)] + (["--verbose"] if args.verbose else [])
+                  "--timeout", str(args.timeout), "--resize-every", str(args.resize_every),
+                  "--resize-step", str(args.resize_step)] + (["--verbose"] if args.verbose else [])
         prefill = spawn_worker("prefill", common, _STARTUP_TIMEOUT_S)
         handles.append(prefill)
         decode = spawn_worker("decode", [*common, "--prefill", prefill.info["rpc"]],
@@ -117,7 +129,8 @@ def start_workers(args: argparse.Namespace, device: str, sizes: PoolSizes,
     from .prefill_worker import PrefillWorker
 
     opts = WorkerOptions(transport=args.transport, device=device, sizes=sizes,
-                         timeout=args.timeout, verbose=args.verbose)
+                         timeout=args.timeout, verbose=args.verbose,
+                         resize_every=args.resize_every, resize_step=args.resize_step)
     prefill = start_in_process(PrefillWorker(opts))
     handles.append(prefill)
     decode = start_in_process(DecodeWorker(opts, prefill.info["rpc"]))
@@ -141,6 +154,8 @@ def run_requests(args: argparse.Namespace, client: RpcClient, model: HybridModel
         else:
             decode_lost = _submit(args, client, prefill, prompt, out, reply_timeout, i)
         print(row(out), flush=True)
+        for resize in out.resizes:
+            print(resize.line(), flush=True)
     return outcomes
 
 
@@ -166,6 +181,11 @@ def _submit(args: argparse.Namespace, client: RpcClient, prefill: WorkerHandle,
         out.error = f"decode worker misbehaved: {exc}"
         return out.error
     out.tokens, out.figures = list(done.tokens), figures_from_wire(done.transfer)
+    try:
+        out.resizes = [resize_from_wire(r) for r in done.resizes]
+    except PeerLostError as exc:
+        out.error = f"decode worker misbehaved: {exc}"
+        return out.error
     return None
 
 
@@ -196,6 +216,13 @@ def summary(outcomes: list[Outcome]) -> bool:
     print(f"{'total':<10}{sum(f.nbytes for f in figures):>10,}{segs:>10}{lm:>13}"
           f"{_ms(sum(f.transfer_s for f in figures)):>12}  "
           f"{len(figures)} of {len(outcomes)} requests transferred{ratio}")
+    resizes = [r for o in outcomes for r in o.resizes]
+    if resizes:
+        by = {w: sum(r.worker == w for r in resizes) for w in ("prefill", "decode")}
+        print(f"resizes: {len(resizes)} boundary moves ({by['prefill']} on prefill, "
+              f"{by['decode']} on decode) relocated {sum(r.entries for r in resizes)} entries, "
+              f"{sum(r.nbytes for r in resizes):,} B, in "
+              f"{sum(r.copy_s for r in resizes) * 1e3:.3f} ms")
     failed = [o.request_id for o in outcomes if o.error is not None]
     mismatched = [o.request_id for o in outcomes if o.error is None and not o.identical]
     if not failed and not mismatched:
@@ -208,6 +235,15 @@ def summary(outcomes: list[Outcome]) -> bool:
         print(f"MISMATCH: {len(mismatched)} of {len(outcomes) - len(failed)} outputs differ "
               f"from the single-process run: {', '.join(mismatched)}")
     return False
+
+
+def finish(ok: bool, handles: list[WorkerHandle], started: float) -> int:
+    """Say which workers died and how long it took; the exit status for `ok`."""
+    for h in handles:
+        if not h.alive():
+            print(f"  {h.info['role']} worker {h.describe_exit()}")
+    print(f"finished in {time.monotonic() - started:.1f} s")
+    return 0 if ok else 1
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -241,10 +277,15 @@ def run(args: argparse.Namespace) -> int:
     model = HybridModel(cfg, device)
     need = decode_counts(cfg, args.prompt_len, args.gen_len)
     # One request at a time is in flight, so pools sized for one (plus slack
-    # that makes entries get reused at different indices) always suffice.
-    sizes = PoolSizes(kv_pages=max(4 * need["kv"], 16), state_entries=4)
+    # that makes entries get reused at different indices) always suffice; a
+    # moving boundary takes up to --resize-step pages from the page pool.
+    step = args.resize_step if args.resize_every else 0
+    sizes = PoolSizes(kv_pages=max(4 * need["kv"], 16) + step, state_entries=4)
+    elastic = (f", boundary moved every {args.resize_every} requests by {step} slots"
+               if args.resize_every else "")
     print(f"pdxfer PD example: {args.requests} requests, prompt {args.prompt_len} tokens, "
-          f"{args.gen_len} generated, transport {args.transport}, device {device}", flush=True)
+          f"{args.gen_len} generated, transport {args.transport}, device {device}{elastic}",
+          flush=True)
     handles: list[WorkerHandle] = []
     client: RpcClient | None = None
     started = time.monotonic()
@@ -261,12 +302,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(HEADER, flush=True)
         outcomes = run_requests(args, client, model, prefill)
-        ok = summary(outcomes)
-        for h in handles:
-            if not h.alive():
-                print(f"  {h.info['role']} worker {h.describe_exit()}")
-        print(f"finished in {time.monotonic() - started:.1f} s")
-        return 0 if ok else 1
+        return finish(summary(outcomes), handles, started)
     except (WorkerStartError, PeerLostError, TransferTimeout, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -35,6 +35,8 @@ from .caches import (
     PoolExhausted,
     prefill_counts,
 )
+from .cluster import add_directory_args, open_from_args, register_prefill
+from .elastic import BoundaryMover
 from .model import HybridModel, ModelConfig, deterministic_torch
 from .reference import resolve_device
 from .rpc import (
@@ -62,21 +64,33 @@ from .serving import (
 
 
 class PrefillWorker:
-    """Model, pools, a `PrefillEngine` over them, and the RPC server in front."""
+    """Model, pools, a `PrefillEngine` over them, and the RPC server in front.
 
-    def __init__(self, opts: WorkerOptions, cfg: ModelConfig | None = None) -> None:
+    Given a peer directory and an instance name, it registers its one rank
+    there (`cluster.register_prefill`) once it serves, and withdraws on close.
+    """
+
+    def __init__(self, opts: WorkerOptions, cfg: ModelConfig | None = None,
+                 directory: Any = None, instance: str | None = None) -> None:
         self.opts = opts
         self.log = logger("prefill", opts.verbose)
         self.model = HybridModel(cfg or ModelConfig(), opts.device)
-        self.caches = ModelCaches(self.model.cfg, opts.sizes, self.model.device)
+        self.caches = ModelCaches(self.model.cfg, opts.sizes, self.model.device,
+                                  elastic=bool(opts.resize_every))
         self.baseline = LayerMajorBaseline(self.caches)
         self._lock = threading.Lock()
         self.engine = PrefillEngine(pools=self.caches.pools, config=opts.engine_config())
+        self.directory = directory
+        self.mover = BoundaryMover("prefill", self.caches, self.engine, opts.resize_every,
+                                   opts.resize_step)
         try:
             self.server = RpcServer(opts.host, opts.port, self.handle,
                                     functools.partial(self.log, error=True))
+            if directory is not None:
+                register_prefill(directory, instance or "p0", self.model, self.engine,
+                                 self.caches.pools, self.ready_info()["rpc"])
         except BaseException:
-            self.engine.close()
+            self.close()
             raise
 
     def ready_info(self) -> dict[str, Any]:
@@ -116,6 +130,11 @@ class PrefillWorker:
             with self._lock:
                 self.model.prefill(self.caches, prompt, src["kv"],
                                    int(src["state"][0]), int(src["aux"][0]))
+                # Written, not yet sent: a boundary move now relocates live entries,
+                # and the transfer ships them from where they moved to.
+                src, resizes = self.mover.maybe(rid, src)
+            if resizes:  # the sources moved: count the layer-major baseline for where they are
+                layer_major = self.baseline.segments(src, dst, dst_entries)
             try:
                 self.engine.send(rid, src)
                 self.engine.wait(rid, timeout=self.opts.rpc_timeout)
@@ -134,14 +153,17 @@ class PrefillWorker:
                          "its entries stay out of use", error=True)
         self.log(f"{rid}: {len(prompt)} tokens, {stats.nbytes} B in {stats.segments} segments")
         figures = TransferFigures(stats.nbytes, stats.segments, layer_major, stats.elapsed_s)
-        return PrefillDone(request_id=rid, transfer=figures_to_wire(figures))
+        return PrefillDone(request_id=rid, transfer=figures_to_wire(figures), resizes=resizes)
 
     def serve_forever(self) -> None:
         self.server.serve_forever()
 
     def close(self) -> None:
-        """Stop serving, then close the engine. Idempotent."""
-        self.server.close()
+        """Withdraw from the directory, stop serving, then close the engine. Idempotent."""
+        if self.directory is not None:
+            self.directory.close()  # revokes the lease: routers see "down" at once
+        if hasattr(self, "server"):
+            self.server.close()
         self.engine.close()
 
 
@@ -172,9 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_args(parser)
     parser.add_argument("--bootstrap-port", type=PORT, default=0,
                         help="port of the pdxfer bootstrap listener decode engines connect to")
+    add_directory_args(parser)
+    parser.add_argument("--instance", default="p0",
+                        help="with --directory: the prefill instance name this worker registers")
     args = parse_worker_args(parser, argv)
     deterministic_torch()
-    worker = PrefillWorker(options_from_args(args, str(resolve_device(args.device))))
+    directory = open_from_args(args)
+    worker = PrefillWorker(options_from_args(args, str(resolve_device(args.device))),
+                           directory=directory, instance=args.instance)
     announce_ready(worker.ready_info())
     return serve_until_signalled(worker.serve_forever, worker.close, args.die_with_parent)
 

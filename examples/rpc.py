@@ -6,7 +6,10 @@ Three small request/reply exchanges, each a typed, versioned msgpack frame of
 - `Hello` -> `HelloReply`: who a worker is, which model it serves (the weights
   digest, so two machines with different models refuse each other up front)
   and, for a prefill worker, its pdxfer bootstrap address.
-- `Generate` -> `GenerateDone | Failed`: client to decode worker, one request.
+- `Generate` -> `GenerateDone | Failed`: client to decode worker, one request
+  (with the pool-boundary moves both workers made during it, `--resize-every`).
+  `RoutedGenerate` is the same from the cluster example's router, naming the
+  prefill instance (looked up in the peer directory) that serves it.
 - `Prefill` -> `PrefillDone | Failed`: decode worker to prefill worker, carrying
   the destination entries so the prefill side can count what a layer-major
   pool would have posted for the same transfer.
@@ -54,6 +57,17 @@ class Generate:
 
 
 @dataclass(frozen=True)
+class RoutedGenerate:
+    """A router's `Generate`: served from the prefill instance it picked in the peer directory."""
+
+    TYPE: ClassVar[str] = "routed_generate"
+    request_id: str
+    prompt: list
+    gen_len: int
+    prefill: str  # the instance name; the decode worker resolves it in its directory
+
+
+@dataclass(frozen=True)
 class TransferFigures:
     """What one request's cache transfer cost, as the sending engine counted it.
 
@@ -73,6 +87,7 @@ class GenerateDone:
     request_id: str
     tokens: list
     transfer: dict  # TransferFigures fields
+    resizes: list  # elastic.ResizeFigures fields, per boundary move during the request (v2)
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,7 @@ class PrefillDone:
     TYPE: ClassVar[str] = "prefill_done"
     request_id: str
     transfer: dict  # TransferFigures fields
+    resizes: list  # elastic.ResizeFigures fields, per boundary move during the request (v2)
 
 
 @dataclass(frozen=True)
@@ -99,8 +115,8 @@ class Failed:
 
 
 PROTOCOL = Protocol(
-    "pdxfer-example", 1,
-    [Hello, HelloReply, Generate, GenerateDone, Prefill, PrefillDone, Failed],
+    "pdxfer-example", 2,  # 2: resizes; RoutedGenerate (the cluster example's router)
+    [Hello, HelloReply, Generate, GenerateDone, Prefill, PrefillDone, Failed, RoutedGenerate],
 )
 
 

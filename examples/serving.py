@@ -49,6 +49,10 @@ class WorkerOptions:
     bootstrap_port: int = 0  # prefill only: the pdxfer control listener
     data_port: int = 0  # the transport's own listener (tcp: where peers push bytes)
     verbose: bool = False
+    # Elastic pools (`examples.elastic`): move the kv/state boundary every this many
+    # requests (0: kv and state are separate arenas), by this many slots.
+    resize_every: int = 0
+    resize_step: int = 4
 
     def engine_config(self) -> EngineConfig:
         # Only a chosen port is passed on: port 0 is every backend's default,
@@ -88,9 +92,19 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=positive_float, default=10.0,
                         help="seconds before a silent peer fails a request")
     parser.add_argument("--verbose", action="store_true", help="log each request to stderr")
+    add_resize_args(parser)
     parser.add_argument("--die-with-parent", action="store_true",
                         help="exit when stdin closes (the launcher uses this so that no "
                         "worker outlives it, however it ends)")
+
+
+def add_resize_args(parser: argparse.ArgumentParser) -> None:
+    """`--resize-every`/`--resize-step`, the same words for the launcher and both workers."""
+    parser.add_argument("--resize-every", type=bounded_int(0), default=0, metavar="N",
+                        help="keep kv pages and states in one allocation and move their boundary "
+                        "every N requests (state pool grows, then shrinks back); 0: off")
+    parser.add_argument("--resize-step", type=bounded_int(1), default=WorkerOptions.resize_step,
+                        metavar="SLOTS", help="slots the boundary moves by (with --resize-every)")
 
 
 def parse_worker_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -123,7 +137,8 @@ def options_from_args(args: argparse.Namespace, device: str) -> WorkerOptions:
         host=args.host, port=args.port, transport=args.transport, device=device,
         sizes=PoolSizes(kv_pages=args.kv_pages, state_entries=args.state_entries),
         timeout=args.timeout, bootstrap_port=getattr(args, "bootstrap_port", 0),
-        data_port=args.data_port, verbose=args.verbose,
+        data_port=args.data_port, verbose=args.verbose, resize_every=args.resize_every,
+        resize_step=args.resize_step,
     )
 
 

@@ -1,11 +1,13 @@
 """Byte arithmetic over cache field declarations: where every byte of an entry lives.
 
 `layout` knows fields, entries and arenas, and nothing of transports or
-requests. It answers three questions from one field walk:
+requests. It answers these questions from one field walk:
 - where a field's bytes are (`EntryField`, `field_extents`, the arenas' views);
 - which byte ranges ship a set of entries (`plan_segments`, segment tables);
 - whether two peers agree on all of that (`describe`, `fingerprint`,
   `describe_diff`);
+- for a page pool and a state pool sharing one allocation, which entries
+  move when their boundary does (`ElasticPools`, `plan_resize`, `relocate`);
 - for tensor parallelism, which part of an entry a rank holds
   (`ShardMajorArena`) and which bytes a prefill rank ships to a decode rank
   of another TP size (`rank_pair`, `contributing_ranks`).
@@ -28,6 +30,7 @@ from .describe import (
     is_split_pair,
     split_of,
 )
+from .elastic import ElasticPools, IndexMap, ResizePlan, plan_resize, relocate
 from .errors import LayoutError, PdxferError
 from .fields import (
     EntryField,
@@ -46,6 +49,7 @@ from .page_major import (
     mha_entry_bytes,
 )
 from .per_layer import PerLayerArena
+from .ranges import adopt_ranges
 from .segments import arena_buffers, check_indices, coalesce, plan_segments
 from .shards import ShardGeometry, ShardMajorArena, shard_geometry
 from .tp_plan import (
@@ -58,9 +62,11 @@ from .tp_plan import (
 )
 
 __all__ = [
+    "ElasticPools",
     "EntryField",
     "EntryMajorArena",
     "FORMAT_VERSION",
+    "IndexMap",
     "LayerMajorArena",
     "LayoutError",
     "PageMajorMHAArena",
@@ -68,9 +74,11 @@ __all__ = [
     "PdxferError",
     "PerLayerArena",
     "RankPair",
+    "ResizePlan",
     "ShardGeometry",
     "ShardMajorArena",
     "SplitEntryMajorArena",
+    "adopt_ranges",
     "arena_buffers",
     "build_page_major_mamba_views",
     "build_page_major_mha_views",
@@ -92,8 +100,10 @@ __all__ = [
     "plan_field_planes",
     "plan_rank_pair",
     "plan_regions",
+    "plan_resize",
     "plan_segments",
     "rank_pair",
+    "relocate",
     "replica_source",
     "shard_geometry",
     "split_of",

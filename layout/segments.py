@@ -103,6 +103,11 @@ def _index_space(arena: Arena) -> tuple[int, int]:
     raise _unknown(arena)
 
 
+def _plural(what: str) -> str:
+    """"source index" -> "source indices": how the refusals below name a whole list."""
+    return what[:-len("index")] + "indices" if what.endswith("index") else what + "s"
+
+
 def _as_indices(idx: object, what: str) -> np.ndarray:
     """`idx` as a 1-D integer array (not yet range-checked), or `LayoutError`."""
     if type(idx) is np.ndarray:  # the common case, without the checks below it passes
@@ -113,15 +118,15 @@ def _as_indices(idx: object, what: str) -> np.ndarray:
     try:
         arr = np.asarray(idx)
     except (TypeError, ValueError) as exc:
-        raise LayoutError(f"{what}s must be a 1-D integer array, got {type(idx).__name__}") from exc
+        raise LayoutError(f"{_plural(what)} must be a 1-D integer array, got {type(idx).__name__}") from exc
     if arr.ndim != 1:
-        raise LayoutError(f"{what}s must be a 1-D array, got shape {list(arr.shape)}")
+        raise LayoutError(f"{_plural(what)} must be a 1-D array, got shape {list(arr.shape)}")
     if arr.size == 0:
         # `np.asarray([])` is float64; an empty request is still a request.
         return np.empty(0, dtype=np.int64)
     if arr.dtype.kind not in "iu":
         raise LayoutError(
-            f"{what}s must be integers, got dtype {arr.dtype}; pass entry indices, "
+            f"{_plural(what)} must be integers, got dtype {arr.dtype}; pass entry indices, "
             "e.g. np.asarray(idx, dtype=np.int64)"
         )
     return arr

@@ -14,58 +14,52 @@ What a serving engine links into its workers, in a page of code:
 
 Both engines register each allocation once at start-up, describe their pools
 in the handshake (refusing a layout mismatch with the pool and field named),
-and ship one transfer per pool per request, planned by `layout`. When prefill
+and ship one transfer per pool per request, planned by `layout`. A page pool
+and a state pool carved from one allocation (`layout.ElasticPools`) can move
+their boundary under traffic (`engine.resize`). When prefill
 and decode run different TP sizes, each rank's engine serves shard-major pools
 and `HeteroTPPrefill`/`HeteroTPDecode` split a request into rank pairs.
+
+The names below are imported on first use, not with the package: every
+`pdxfer.*` module — the CLI's too — imports this package first, and the
+engine pulls in torch, so `pdxfer --version` and `--help` would otherwise
+wait a second or more for nothing (`tests/pdxfer/test_cli.py` checks that
+they import no torch). `from pdxfer import PrefillEngine` works as before.
 """
 
-from .config import EngineConfig, KVPoll, RequestStats
-from .decode import DecodeEngine
-from .errors import (
-    BoundsError,
-    CapabilityError,
-    ClosedError,
-    ConfigError,
-    LayoutError,
-    LayoutMismatchError,
-    PdxferError,
-    PeerLostError,
-    ProtocolError,
-    RegistrationError,
-    RequestError,
-    RequestFailed,
-    TransferTimeout,
-    TransportError,
-    UnknownRequestError,
-)
-from .prefill import PrefillEngine
-from .requests import RequestOutcome
-from .tp_group import HeteroTPDecode, HeteroTPPrefill, group_address, sub_request_id
+from __future__ import annotations
 
-__all__ = [
-    "BoundsError",
-    "CapabilityError",
-    "ClosedError",
-    "ConfigError",
-    "DecodeEngine",
-    "EngineConfig",
-    "HeteroTPDecode",
-    "HeteroTPPrefill",
-    "KVPoll",
-    "LayoutError",
-    "LayoutMismatchError",
-    "PdxferError",
-    "PeerLostError",
-    "PrefillEngine",
-    "ProtocolError",
-    "RegistrationError",
-    "RequestError",
-    "RequestFailed",
-    "RequestOutcome",
-    "RequestStats",
-    "TransferTimeout",
-    "TransportError",
-    "UnknownRequestError",
-    "group_address",
-    "sub_request_id",
-]
+import importlib
+from typing import Any
+
+# public name -> the module of this package that defines it
+_EXPORTS = {
+    "EngineConfig": "config", "KVPoll": "config", "RequestStats": "config",
+    "DecodeEngine": "decode",
+    "BoundsError": "errors", "CapabilityError": "errors", "ClosedError": "errors",
+    "ConfigError": "errors", "LayoutError": "errors", "LayoutMismatchError": "errors",
+    "PdxferError": "errors", "PeerLostError": "errors", "ProtocolError": "errors",
+    "RegistrationError": "errors", "RequestError": "errors", "RequestFailed": "errors",
+    "ResizeBlockedError": "errors", "TransferTimeout": "errors", "TransportError": "errors", "UnknownRequestError": "errors",
+    "PrefillEngine": "prefill",
+    "RequestOutcome": "requests",
+    "ResizeReport": "resizing",
+    "HeteroTPDecode": "tp_group", "HeteroTPPrefill": "tp_group", "group_address": "tp_group",
+    "sub_request_id": "tp_group",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module the first time the name is asked for (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

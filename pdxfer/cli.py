@@ -24,15 +24,18 @@ from importlib import metadata
 _COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
     "layout": {"": ("pdxfer.layout_example", "print the entry maps of an example hybrid model")},
     "bench": {
-        "transport": ("pdxfer.bench_transport", "transport throughput vs memcpy and raw sockets"),
-        "engine": ("pdxfer.bench_engine", "PD engine requests/s and per-request overhead"),
-        "layouts": ("pdxfer.bench_layouts",
+        "transport": ("pdxfer.bench.transport", "transport throughput vs memcpy and raw sockets"),
+        "engine": ("pdxfer.bench.engine", "PD engine requests/s and per-request overhead"),
+        "layouts": ("pdxfer.bench.layouts",
                     "one model state shipped entry-major, layer-major and via a staging copy"),
-        "request-cost": ("pdxfer.bench_cost",
+        "request-cost": ("pdxfer.bench.request_cost",
                          "CPU per send()/expect() call, split into plan/post/bookkeeping"),
-        "tp": ("pdxfer.bench_tp", "heterogeneous TP: shard-major vs per-token/per-head slicing"),
-        "chunked": ("pdxfer.bench_chunked", "chunked prefill: transfer hidden behind compute vs sending after"),
-        "scaling": ("pdxfer.bench_scaling", "GB/s and us per request against request size, entry- vs layer-major"),
+        "tp": ("pdxfer.bench.tp", "heterogeneous TP: shard-major vs per-token/per-head slicing"),
+        "chunked": ("pdxfer.bench.chunked", "chunked prefill: transfer hidden behind compute vs sending after"),
+        "scaling": ("pdxfer.bench.scaling", "GB/s and us per request against request size, entry- vs layer-major"),
+        "elastic": ("pdxfer.bench.elastic", "moving a page/state pool boundary: relocation GB/s, entries moved"),
+        "directory": ("pdxfer.bench.directory",
+                      "peer directory on etcd: registrations/s, resolve latency, departure seen"),
     },
 }
 

@@ -69,8 +69,9 @@ class EngineConfig:
     reached (a decode started first, a name not resolvable yet): the
     bootstrap host is resolved off the progress thread and redialled with
     backoff (50 ms doubling to 1 s) until `connect_timeout` has passed since
-    the first dial; then its requests fail as "cannot reach" (a request whose
-    `request_timeout` ends first fails so too). Every other wait (close,
+    the first dial; then its requests fail as "not reached" (a request whose
+    `request_timeout` ends first fails so too; an address whose prefill was
+    reached and then lost is not redialled). Every other wait (close,
     abort grace) derives from these; see the properties.
 
     Durations must be finite and positive: NaN would silently disable every
@@ -79,7 +80,8 @@ class EngineConfig:
     number (1e6 s is eleven days). `transport_options` are the backend's own
     constructor options (`transport.registry.options(name)` lists them): an
     unknown key, `host` (that is `EngineConfig.host`), or an option the
-    backend accepts but ignores (loopback's port/streams, nixl's streams) is
+    backend accepts but ignores (loopback's port/streams, nixl's and verbs'
+    streams) is
     refused rather than silently dropped.
     """
 

@@ -3,15 +3,18 @@
 A serving worker allocates destination entries and calls
 `expect(request_id, prefill_addr, {pool: dst_indices})`. The first request to
 a prefill dials its bootstrap address and runs the handshake (the request is
-Bootstrapping meanwhile). A host name is resolved off the progress thread
-(`resolver`); a prefill not reachable yet — a decode started first — is
-dialled again with backoff until `connect_timeout` has passed, and only then
-are its requests failed, as "cannot reach", never "lost". A refused
-handshake (a layout mismatch: the pool and field named, before any byte
-could move) fails the requests waiting for it and tells the prefill which
-ones, in the same words, so its senders fail at once too. The link is then
-cached and reused; a lost link is forgotten, so the next request dials
-afresh — a restarted prefill on the same port serves it.
+Bootstrapping meanwhile; a prefill not reachable yet is redialled within
+`connect_timeout`: `decode_dials`); a refused handshake (a layout mismatch:
+pool and field named, before any byte could move) fails its requests on
+both sides. The link is then cached and reused; a lost link is forgotten, so
+the next request dials afresh — a restarted prefill on the same port serves it.
+
+The prefill may be named by a directory record (`pdxfer.directory.PeerRecord`)
+instead of an address: its fingerprints are checked before dialing, its
+engine id — the incarnation — must be the Welcome's (else the request is
+re-resolved through the directory, or fails as a stale record), and a
+"replaced" event from the directory cuts the old incarnation's link before
+anything queued after it dials the new one. docs/directory.md.
 
 What a request may do next is its `lifecycle.DecodeLife`'s decision; this
 module is its driver. Success is declared from the transport's notifies
@@ -35,17 +38,20 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from pdxfer.transport.errors import ProtocolError
+from pdxfer.transport.errors import PeerLostError, ProtocolError
 
+from . import resizing
 from .config import EngineConfig, KVPoll
 from .decode_dials import Dials
+from .directory.records import PeerRecord
 from .engine import Engine
-from .handshake import welcome_mismatch, why_lost
+from .errors import LayoutMismatchError, RequestError
+from .handshake import record_mismatch, welcome_mismatch, why_lost
 from .inbound import DecodeRequest, PrefillPeer, expect_message
 from .lifecycle import DecodeLife, DPhase, Fence, Finish, Quarantine, Send, Timing
+from .pools import layout_error
 from .protocol import Abort, AbortAck, Fenced, Ping, Refuse, Welcome, decode_notify
 from .requests import check_request_id
-from .resolver import Lookups
 from .session import Link, parse_address
 
 log = logging.getLogger("pdxfer")
@@ -56,37 +62,71 @@ class DecodeEngine(Dials, Engine):
 
     role = "decode"
 
-    def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None) -> None:
+    def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None,
+                 directory: Any = None) -> None:
         self._sessions: dict[str, PrefillPeer] = {}
         self._xids = itertools.count(1)
+        # A `pdxfer.directory.PeerDirectory` (or anything with its resolve /
+        # layout / subscribe): re-resolves a stale record, describes a
+        # prefill's pools before dialing, and says when a prefill was replaced.
+        # None: records are taken as given, and a bare address checks nothing.
+        self._directory = directory
+        self._unsubscribe = None
         super().__init__(pools, config)
-        self._lookups = Lookups(f"pdxfer-resolve-{self.engine_id}",
-                                lambda *a: self._progress.call(self._resolved, *a))
+        self._init_dials()
         self._timing = Timing(self.config.request_wait, self.config.grace)
         self._transport.set_notify_handler(self._on_notify)
         self._can_fence = self._transport.capabilities.fence
         if not self._can_fence:
             log.warning("pdxfer decode: transport %s cannot fence a peer; failed requests stay "
                         "Quarantined until their prefill confirms or is gone", self.config.transport)
+        if directory is not None:
+            self._unsubscribe = directory.subscribe(self._on_directory)
 
     # -- the public calls ---------------------------------------------------------
-    def expect(self, request_id: str, prefill_addr: str, indices: Mapping[str, Any]) -> None:
+    def expect(self, request_id: str, prefill: str | PeerRecord, indices: Mapping[str, Any]) -> None:
         """Announce a request and the destination entries (per pool) its cache goes to.
 
+        `prefill` is the prefill's bootstrap address, or its directory record
+        (`pdxfer.directory.PeerRecord`): then a prefill whose pools cannot
+        match ours is refused here, before dialing (`LayoutMismatchError`),
+        and its Welcome must come from the record's engine id.
         Validates the id and every index up front (`LayoutError`, `RequestError`);
         a duplicate id is refused. Returns at once: the handshake, if this is
         the first request to that prefill, runs in the background.
         """
         rid = check_request_id(request_id)
-        parse_address(prefill_addr)
+        record = self.check_prefill(prefill)
         xid = next(self._xids)
-        dst, msg = expect_message(self._pools.arenas, rid, xid, indices)
+        gen = self._pools.generation
+        dst, msg = expect_message(self._pools, rid, xid, indices)
         with self._lock:
             self._check_open()
+            if self._pools.generation != gen:  # a resize ran meanwhile: check its live ranges
+                dst, msg = expect_message(self._pools, rid, xid, indices)
             life = DecodeLife(rid, xid, msg, self._timing, time.monotonic(), fence=self._can_fence)
-            req = DecodeRequest(rid, life, dst, prefill_addr)
+            req = DecodeRequest(rid, life, dst, record)
             self._table.add(req)
         self._progress.call(self._start, req)
+
+    def check_prefill(self, prefill: str | PeerRecord) -> PeerRecord:
+        """`prefill` as a record, refused (`LayoutMismatchError`) if its pools cannot match ours.
+
+        Decided from the record's fingerprints and, where one differs, the
+        directory's published description; nothing is dialed.
+        """
+        record = PeerRecord.at(prefill) if isinstance(prefill, str) else prefill
+        if not isinstance(record, PeerRecord):
+            raise RequestError(f"prefill must be a 'host:port' address or a PeerRecord, got {prefill!r}")
+        parse_address(record.address)
+        reason = self._refusal(record)
+        if reason is not None:
+            raise layout_error(f"{reason} (directory record of engine {record.engine}, not dialed)")
+        return record
+
+    def _refusal(self, record: PeerRecord) -> str | None:
+        describe = self._directory.layout if self._directory is not None else None
+        return record_mismatch(self._pools, record.layouts, describe)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Give up on a request: the prefill hears at once; Failed once no byte can land."""
@@ -119,6 +159,15 @@ class DecodeEngine(Dials, Engine):
         self._table.advance(req, req.life.poll)
         return fence
 
+    def _after_resize(self, names: tuple[str, str]) -> None:
+        """Tell every prefill the new live ranges, queued ahead of any later Expect (lock held)."""
+        self._progress.post(self._announce, resizing.live_range(self._pools, names))
+
+    def _announce(self, msg: Any) -> None:
+        for session in list(self._sessions.values()):
+            if session.link is not None:
+                session.link.send(msg)
+
     def quarantined(self) -> list[str]:
         """Ids of requests Quarantined now: failed, entries still not the caller's (no fence)."""
         with self._lock:
@@ -137,18 +186,26 @@ class DecodeEngine(Dials, Engine):
                 self._apply(req, req.life.on_fenced())
 
     # -- request flow (progress thread unless said otherwise) ------------------------
-    def _doom(self, session: PrefillPeer) -> None:
-        """Tell a prefill that refused us which requests that fails, in the words they fail with.
-
-        An `Abort` per waiting request, sent before we hang up: the prefill
-        fails its senders of those ids at once (#18). A prefill that has
-        already hung up never reads them, which costs nothing.
-        """
-        reason, _ = why_lost(session.addr, session.refusal, "")
+    def _start(self, req: DecodeRequest) -> None:
+        if self._closed:
+            return
+        # A request aborted while dialing still binds: the prefill must hear its Abort.
+        session = self._sessions.get(req.peer)
+        if session is not None and session.link is not None and session.link.closed \
+                and not session.link.connecting:
+            session = None  # closed, its loss not yet handled: never join it; dial afresh
+        if session is not None and session.engine is not None:
+            if not self._incarnation(req, session, session.engine, welcome=False):
+                return  # failed, re-resolved elsewhere, or waiting for the old link's cut
+        if session is None:  # dialled once this request is bound (decode_dials)
+            session = self._dial(req.peer, req.record.engine)
         with self._lock:
-            doomed = [(r.id, r.life.xid) for r in session.waiting]
-        for rid, xid in doomed:
-            session.link.send(Abort(rid, xid, reason, False))
+            req.session = session
+            session.requests.add(req.id)
+            if session.ready:
+                self._apply(req, req.life.on_link_ready(time.monotonic()))
+            else:
+                session.waiting.append(req)
 
     def _on_notify(self, sender: str, payload: bytes) -> None:
         """Transport thread: one transfer of some request landed. Short; never blocks."""
@@ -210,8 +267,15 @@ class DecodeEngine(Dials, Engine):
             log.warning("pdxfer decode: refused prefill at %s: %s", session.addr, reason)
             self._doom(session)
             return session.link.close(f"layout mismatch with prefill at {session.addr}")
+        waiting, session.waiting = session.waiting, []
+        keep = [req for req in waiting if self._incarnation(req, session, msg.engine, welcome=True)]
+        if not keep and session.expected not in (None, msg.engine):
+            return session.link.close(f"prefill at {session.addr} is engine {msg.engine}, not "
+                                      f"{session.expected} as its record says: refused")
+        session.waiting = keep
         session.engine = msg.engine
         session.ready = True
+        self._reached(session.addr)
         session.link.label = f"prefill {msg.engine} at {session.addr}"
         now = time.monotonic()
         with self._lock:
@@ -221,6 +285,93 @@ class DecodeEngine(Dials, Engine):
                 except Exception as exc:  # noqa: BLE001 — reported on that request, not lost
                     self._table.finish(req, False, f"expect could not be sent: {exc}", exc)
             session.waiting.clear()
+
+    # -- incarnations (progress thread) ---------------------------------------------------
+    def _incarnation(self, req: DecodeRequest, session: PrefillPeer, actual: str,
+                     welcome: bool) -> bool:
+        """May `req` use the link to engine `actual`? If not, it is re-resolved, requeued or failed.
+
+        The record names the incarnation that should serve the request. When
+        the link's engine differs, the directory is asked for the slot's
+        record now: if it names `actual` at this address, the request's
+        record was stale and is replaced by the fresh one; if it names another
+        engine once (a successor elsewhere), the request is re-dialed there;
+        if it confirms the record's engine on a link that is ready, that link
+        is the old incarnation's: it is cut first, then the request dials.
+        Anything else fails the request as peer lost (a stale record).
+        """
+        want = req.record.engine
+        if want is None or want == actual:
+            return True
+        fresh = None
+        if self._directory is not None and req.record.slot is not None:
+            fresh = self._directory.resolve(req.record.slot)
+        if fresh is not None and fresh.engine == actual and fresh.address == session.addr:
+            return self._rebind(req, fresh, session, requeue=False)
+        if fresh is not None and fresh.engine not in (want, actual) and not req.rebound:
+            return self._rebind(req, fresh, session, requeue=True)
+        if not welcome and fresh is not None and fresh.engine == want and session.link is not None:
+            # The directory confirms the newer incarnation: the ready link is the old one.
+            self._cut(session, f"prefill at {session.addr} was engine {actual}; the directory now "
+                               f"names {want} there: dropping the old incarnation's link")
+            self._start(req)  # dials afresh: the old session is gone
+            return False
+        why = (f"prefill at {session.addr} answers as engine {actual}, but the record for "
+               f"{req.record.slot.path() if req.record.slot else session.addr} names {want}"
+               f"{' and the directory has nothing newer' if self._directory is not None else ''}: "
+               "a stale record (did the prefill restart?); resolve it again and retry")
+        self._fail_unbound(req, session, why)
+        return False
+
+    def _rebind(self, req: DecodeRequest, fresh: PeerRecord, session: PrefillPeer,
+                requeue: bool) -> bool:
+        reason = self._refusal(fresh)
+        if reason is not None:
+            self._fail_unbound(req, session, str(layout_error(reason)), LayoutMismatchError(reason))
+            return False
+        log.info("pdxfer decode: request %r re-resolved to engine %s at %s", req.id, fresh.engine,
+                 fresh.address)
+        req.record, req.peer, req.rebound = fresh, fresh.address, True
+        if requeue:
+            if req.session is session:
+                req.session = None
+                session.requests.discard(req.id)
+            self._progress.call(self._start, req)
+            return False
+        return True
+
+    def _fail_unbound(self, req: DecodeRequest, session: PrefillPeer, why: str,
+                      error: BaseException | None = None) -> None:
+        """Fail a request no Expect was sent for (nothing can land): at once, no fence."""
+        with self._lock:
+            self._apply(req, req.life.on_link_lost(why, error or PeerLostError(why)))
+        session.requests.discard(req.id)
+
+    def _on_directory(self, event: Any) -> None:
+        """Directory thread: a replaced prefill's links are cut on the progress thread."""
+        if event.kind == "replaced" and event.old is not None and not self._closed:
+            self._progress.call(self._on_replaced, event.old, event.record)
+
+    def _on_replaced(self, old: PeerRecord, new: PeerRecord) -> None:
+        """Cut every link to the old incarnation: its requests fail as peer lost, fenced if bound."""
+        for session in list(self._sessions.values()):
+            if session.link is None or session.link.closed:
+                continue
+            if session.engine == old.engine or (session.engine is None
+                                                and session.expected == old.engine):
+                self._cut(session, f"prefill {old.engine} at {session.addr} was replaced by "
+                                   f"{new.engine} at {new.address} (directory)")
+
+    def _cut(self, session: PrefillPeer, why: str) -> None:
+        """Close `session`'s link and fail (fence) its requests now, not at the loop's next turn.
+
+        Now, so that whatever is queued behind — a request to the new
+        incarnation — dials only after the old one's requests are failed and
+        fenced. The close's own queued `_link_lost` then finds nothing left.
+        """
+        assert session.link is not None
+        session.link.close(why)
+        self._link_lost(session.link, why)
 
     def _link_lost(self, link: Link, reason: str) -> None:
         session: PrefillPeer = link.owner
@@ -232,7 +383,9 @@ class DecodeEngine(Dials, Engine):
             return
         if self._sessions.get(session.addr) is session:
             del self._sessions[session.addr]  # the next request dials afresh
-        reason, error = why_lost(session.addr, session.refusal, reason)
+        if session.ready:
+            self._lost(session.addr)
+        reason, error = why_lost(session.addr, session.refusal, reason, reached=session.ready)
         with self._lock:
             reqs = session.waiting + [r for rid in session.requests
                                       if isinstance(r := self._table.find(rid), DecodeRequest)
@@ -244,7 +397,7 @@ class DecodeEngine(Dials, Engine):
     # -- timers (progress thread) ----------------------------------------------------
     def _tick(self, now: float) -> float:
         cfg = self.config
-        close, wake = self._tick_dials(now)  # first: a request unreached says so, not "timed out"
+        close, wake = self._tick_dials(now)  # first: a request never connected says so, not "timed out"
         fences: dict[int, tuple[PrefillPeer, list[DecodeRequest]]] = {}
         with self._lock:
             for req in self._table.running():
@@ -274,6 +427,8 @@ class DecodeEngine(Dials, Engine):
 
     # -- close ----------------------------------------------------------------
     def _shutdown(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
         self._run_on_progress(self._shutdown_on_thread, self.config.shutdown_wait)
         self._lookups.close(self.config.shutdown_wait)
 

@@ -1,4 +1,4 @@
-"""The decode's dials: reaching a prefill it has not reached yet (#18, #20).
+"""The decode's first contact with a prefill: reaching it, and a refusal's news (#18, #20).
 
 A mixin of `DecodeEngine`, split off so the engine module stays the request
 driver. It owns the part of a prefill peer's life before its control link
@@ -11,21 +11,30 @@ first connects:
 - A dial that never connects — nothing listening yet, because the decode
   started first; a name that does not resolve yet — is retried with
   backoff (50 ms doubling to 1 s) until `connect_timeout` has passed since
-  the first one; then the peer's waiting requests fail as "cannot reach",
+  the first one; then the peer's waiting requests fail as "not reached",
   never as "lost" (nothing was lost). A request whose own `request_timeout`
   ends first while its prefill was never reached fails with that reason too,
   and the dials go on for the others.
-- Once connected, the peer is the engine's (`decode.py`: Hello, Welcome, a
-  loss, a refusal).
+- An address whose prefill was reached and then lost is not redialled: a
+  refused connect there means it is gone, and requests to it fail at once,
+  as before (a restarted one serves the first request that finds it up).
+  The set of such addresses is bounded (`_GONE_LIMIT`, oldest forgotten).
+- A refused handshake (`_doom`): before hanging up, the decode tells the
+  prefill which of its requests the refusal fails, in the words they fail
+  with, so the prefill's senders fail at once too, not after
+  `request_timeout` with "no decode expected it".
+- Once connected, the peer is otherwise the engine's (`decode.py`: Hello,
+  Welcome, a loss, the directory's incarnations).
 
 All of it runs on the progress thread: no step waits on the network there.
-It reads the engine's `_sessions`, `_lock`, `_lookups`, `_progress`,
-`_pools`, `_transport`, `config` and `engine_id`, and calls its `_apply`,
-`_fence`, `_on_message` and `_link_lost`.
+It reads the engine's `_sessions`, `_lock`, `_progress`, `_pools`,
+`_transport`, `config` and `engine_id`, and calls its `_apply`, `_fence`,
+`_on_message` and `_link_lost`.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -33,15 +42,18 @@ from typing import Any
 
 from pdxfer.transport.errors import PeerLostError
 
+from .handshake import why_lost
 from .inbound import DecodeRequest, PrefillPeer
-from .protocol import Hello
-from .resolver import Addrs, numeric
+from .protocol import Abort, Hello
+from .resolver import Addrs, Lookups, numeric
 from .session import Link, parse_address
 
 log = logging.getLogger("pdxfer")
 
 # Redials of a prefill not reachable yet: 50 ms, doubling, at most 1 s apart.
 _RETRY_FIRST, _RETRY_MAX = 0.05, 1.0
+# Addresses remembered as reached-then-lost (not redialled), oldest forgotten first.
+_GONE_LIMIT = 1024
 
 
 class Dials:
@@ -49,7 +61,6 @@ class Dials:
 
     _sessions: dict[str, PrefillPeer]
     _lock: Any
-    _lookups: Any
     _progress: Any
     _pools: Any
     _transport: Any
@@ -59,34 +70,42 @@ class Dials:
     # ... and calls the engine's `_apply`, `_fence`, `_on_message`, `_link_lost` (no stubs:
     # this class precedes `Engine` in the MRO, so a stub would shadow the real method).
 
-    def _start(self, req: DecodeRequest) -> None:
-        """Bind a new request to its prefill's peer, dialling a prefill not known yet."""
-        if self._closed:
-            return
-        session = self._sessions.get(req.peer)
-        new = session is None
-        if new:
-            session = PrefillPeer(req.peer, time.monotonic() + self.config.connect_wait)
-            self._sessions[req.peer] = session
-        with self._lock:
-            req.session = session
-            session.requests.add(req.id)
-            if session.ready:
-                self._apply(req, req.life.on_link_ready(time.monotonic()))
-            else:
-                session.waiting.append(req)
-        if new:
-            self._connect(session)
+    def _init_dials(self) -> None:
+        """Once the progress thread exists: the lookup workers, the gone addresses."""
+        self._lookups = Lookups(f"pdxfer-resolve-{self.engine_id}",
+                                lambda *a: self._progress.call(self._resolved, *a))
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def _dial(self, addr: str, expected: str | None) -> PrefillPeer:
+        """A new peer for `addr`, its first dial queued behind the request binding to it."""
+        session = PrefillPeer(addr, expected, time.monotonic() + self.config.connect_wait,
+                              retry=addr not in self._gone)
+        self._sessions[addr] = session
+        self._progress.call(self._connect, session)
+        return session
+
+    def _reached(self, addr: str) -> None:
+        """A prefill welcomed us at `addr`: it is back, if it was gone."""
+        self._gone.pop(addr, None)
+
+    def _lost(self, addr: str) -> None:
+        """The prefill at `addr`, once reached, is lost: a refused dial there fails at once."""
+        self._gone[addr] = None
+        self._gone.move_to_end(addr)
+        while len(self._gone) > _GONE_LIMIT:
+            self._gone.popitem(last=False)
 
     def _connect(self, session: PrefillPeer) -> None:
         """One dial attempt: a literal address at once, a host name once resolved off-thread."""
+        if self._closed or self._sessions.get(session.addr) is not session:
+            return  # replaced (a directory cut) or closing: its requests went with it
         host, port = parse_address(session.addr)
         addrs = numeric(host, port)
         if addrs is None:
             session.resolving = True
             self._lookups.start(session, host, port)
         else:
-            self._dial(session, addrs)
+            self._dial_to(session, addrs)
 
     def _resolved(self, session: PrefillPeer, addrs: Addrs | None, error: BaseException | None) -> None:
         if self._closed or not session.resolving or self._sessions.get(session.addr) is not session:
@@ -95,9 +114,9 @@ class Dials:
         if not addrs:
             host = parse_address(session.addr)[0]
             return self._not_reached(session, f"cannot resolve {host!r}: {error or 'no address'}")
-        self._dial(session, addrs)
+        self._dial_to(session, addrs)
 
-    def _dial(self, session: PrefillPeer, addrs: Addrs) -> None:
+    def _dial_to(self, session: PrefillPeer, addrs: Addrs) -> None:
         family, sockaddr = addrs[session.attempts % len(addrs)]  # each retry, the next address
         try:
             link = Link.dial(family, sockaddr, self._progress, f"prefill at {session.addr}",
@@ -115,7 +134,7 @@ class Dials:
         session.attempts += 1
         session.why_not = why
         now = time.monotonic()
-        if not self._closed and now < session.connect_by:
+        if session.retry and not self._closed and now < session.connect_by:
             delay = min(_RETRY_MAX, _RETRY_FIRST * 2 ** min(session.attempts - 1, 16))
             session.retry_at = min(now + delay, session.connect_by)
             log.debug("pdxfer decode: prefill at %s not reachable yet (attempt %d: %s); retrying "
@@ -124,13 +143,15 @@ class Dials:
         if self._sessions.get(session.addr) is session:
             del self._sessions[session.addr]  # the next request dials afresh, with a new window
         self._fail_unreached(session, session.waiting,
-                             f"within {self.config.connect_wait} s (connect_timeout")
+                             f"within connect_timeout {self.config.connect_wait} s" if session.retry
+                             else "not redialled: the prefill there was reached before, then lost")
 
-    def _fail_unreached(self, session: PrefillPeer, reqs: list[DecodeRequest], within: str) -> None:
-        """Fail `reqs` (waiting on `session`) as not reached: the attempts and the last reason."""
+    def _fail_unreached(self, session: PrefillPeer, reqs: list[DecodeRequest], when: str) -> None:
+        """Fail `reqs` (waiting on `session`) as not reached: the last reason, the attempts."""
         n = session.attempts
-        reason = (f"cannot reach prefill at {session.addr} {within}; {n} attempt"
-                  f"{'s' if n != 1 else ''}): {session.why_not or 'still connecting'}")
+        reason = (f"prefill at {session.addr} not reached (no handshake): "
+                  f"{session.why_not or 'still connecting'}; {n} attempt{'s' if n != 1 else ''} "
+                  f"{when}")
         error = PeerLostError(reason)
         gone = {id(r) for r in reqs}
         with self._lock:
@@ -166,5 +187,18 @@ class Dials:
                 expired = [r for r in session.waiting if r.life.deadline <= now]
             if expired:
                 self._fail_unreached(session, expired,
-                                     f"within the request's {self.config.request_wait} s (request_timeout")
+                                     f"within the request's request_timeout {self.config.request_wait} s")
         return close, wake
+
+    def _doom(self, session: PrefillPeer) -> None:
+        """Tell a prefill that refused us which requests that fails, in the words they fail with.
+
+        An `Abort` per waiting request, sent before we hang up: the prefill
+        fails its senders of those ids at once (#18). A prefill that has
+        already hung up never reads them, which costs nothing.
+        """
+        reason, _ = why_lost(session.addr, session.refusal, "")
+        with self._lock:
+            doomed = [(r.id, r.life.xid) for r in session.waiting]
+        for rid, xid in doomed:
+            session.link.send(Abort(rid, xid, reason, False))

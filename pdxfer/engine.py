@@ -5,12 +5,15 @@ registered with it, a request table, one progress thread — and answer the same
 non-blocking questions about a request (`poll`, `failure_reason`, `stats`) and
 the same blocking one (`wait`). Those live here once; what differs (who
 listens, who dials, who posts, who fences) is in `prefill.py` and `decode.py`.
+So does the one call that changes the pools under traffic, `resize` (a page/
+state boundary of `layout.ElasticPools`; its bookkeeping is `resizing.py`).
 
 Lock discipline, the one rule that keeps this deadlock-free and keeps one
 peer from slowing the others: the table's lock guards request state and is
 held only for local work — a state-machine transition, planning, and posting
-a write on a data connection that is already open and warmed (a queue
-append; it takes only the transport's own locks). It is never held across a
+a write on a data connection that is already open and warmed (the
+transport checks the table and hands the write to its sending side, taking
+only its own locks; no network wait). It is never held across a
 network wait (`transport.connect`, a region lookup: those run in
 `handshake.DataLinks` workers) nor while calling a transport method that
 waits for another thread — `drop_peer`, `Connection.close`, `close` — because
@@ -21,18 +24,22 @@ deliver a notify before it lets such a call return.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from pdxfer import transport
+from pdxfer import layout, transport
 
+from . import resizing
 from .config import EngineConfig, KVPoll, RequestStats
-from .errors import ClosedError, ConfigError, RequestFailed, UnknownRequestError
+from .errors import ClosedError, ConfigError, RequestError, RequestFailed, UnknownRequestError
 from .pools import PoolSet
 from .progress import Progress
 from .protocol import Ping
 from .requests import RequestOutcome, RequestTable, check_request_id
+from .resizing import ResizeReport
 
 log = logging.getLogger("pdxfer")
 
@@ -52,6 +59,7 @@ class Engine:
                    **config.transport_options}
         self._transport = transport.create(config.transport, **options)
         self._closed = False
+        self._resizing = threading.Lock()  # one boundary move at a time
         try:
             self._pools = PoolSet(pools, self._transport)
             self._table = RequestTable(self.role)
@@ -125,6 +133,65 @@ class Engine:
         exc = RequestFailed(request_id, out.reason or "failed")
         exc.__cause__ = out.cause
         return exc
+
+    # -- elastic pools ------------------------------------------------------------
+    def resize(self, pools: layout.ElasticPools, boundary: int, used: Any, *,
+               wait: float | None = None) -> ResizeReport:
+        """Move the page/state boundary of `pools` (served by this engine) to `boundary`.
+
+        `used`: the entries of the pool that shrinks whose data the caller
+        keeps (`layout.plan_resize`); they are relocated and the report's
+        `moved` maps their old indices to new ones. Refused (nothing moved)
+        with `ResizeBlockedError` naming the requests when an unfinished
+        request holds an entry the move vacates or moves one into; with
+        `wait=seconds`, waits up to that long for them to finish first.
+        A decode tells every prefill the new live ranges before any later
+        Expect. Runs the copies under the request lock (local work, no
+        network wait); call it from the scheduler, not a pdxfer callback.
+        """
+        names = resizing.pool_names(self._pools.arenas, pools)
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                                 or not math.isfinite(wait) or wait < 0):
+            raise RequestError(f"resize wait must be a finite number of seconds >= 0, got {wait!r}")
+        if wait and self._progress.on_thread:
+            raise RequestError("resize(wait=...) on the progress thread would wait for itself")
+        if not self._resizing.acquire(blocking=False):
+            raise RequestError("another resize of this engine is running; resize one at a time")
+        try:
+            plan = layout.plan_resize(pools, boundary, used)  # refusals here, before anything
+            report = self._resize(pools, names, plan, wait)
+        finally:
+            self._resizing.release()
+        self._progress.kick()
+        return report
+
+    def _resize(self, pools: layout.ElasticPools, names: tuple[str, str],
+                plan: layout.ResizePlan, wait: float | None) -> ResizeReport:
+        started = time.monotonic()
+        pool = names[0] if plan.shrinking == "page" else names[1]
+        with self._lock:
+            self._check_open()
+            # Not only the entries `used` names: an in-flight entry the caller forgot blocks too.
+            rids = resizing.blocking(self._table.running(), pool, plan) if plan.shrinking else []
+            if rids and wait:
+                def free() -> bool:
+                    rids[:] = resizing.blocking(self._table.running(), pool, plan)
+                    return not rids or self._closed
+                self._table.changed.wait_for(free, wait)
+                self._check_open()
+            waited = time.monotonic() - started
+            if rids:
+                raise resizing.blocked(self.role, pool, plan, rids, wait or None)
+            copy = time.perf_counter()
+            moved = layout.relocate(pools, plan)
+            copy_s = time.perf_counter() - copy
+            for name, arena in zip(names, (pools.page, pools.state), strict=True):
+                self._pools.replace(name, arena)
+            self._after_resize(names)
+        return ResizeReport(names, plan, moved, copy_s, waited)
+
+    def _after_resize(self, names: tuple[str, str]) -> None:
+        """Role-specific part of a resize, lock held (a decode tells its prefills)."""
 
     # -- lifecycle ----------------------------------------------------------
     def _check_open(self) -> None:

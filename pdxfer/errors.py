@@ -40,6 +40,18 @@ class UnknownRequestError(RequestError):
     """
 
 
+class ResizeBlockedError(RequestError):
+    """A pool resize refused because requests still use entries it would move or retire.
+
+    `request_ids` names them (sorted): the resize may run once they finished
+    (Success or Failed), which `Engine.resize(..., wait=...)` can wait for.
+    """
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = list(request_ids)
+
+
 class RequestFailed(PdxferError):
     """A request ended in failure; `.reason` says why."""
 
@@ -62,6 +74,7 @@ __all__ = [
     "RegistrationError",
     "RequestError",
     "RequestFailed",
+    "ResizeBlockedError",
     "TransferTimeout",
     "TransportError",
     "UnknownRequestError",

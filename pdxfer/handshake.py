@@ -30,7 +30,7 @@ caller, so a slow old dial can never install itself over a newer one.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -75,14 +75,47 @@ def welcome_mismatch(pools: PoolSet, msg: Welcome) -> str | None:
         raise ProtocolError(f"malformed welcome: {exc}") from exc
 
 
-def why_lost(addr: str, refusal: tuple[str, str] | None, reason: str) -> tuple[str, BaseException]:
-    """What a decode's requests fail with when its link to a prefill closes: a refusal, or a loss."""
+def record_mismatch(pools: PoolSet, layouts: Mapping[str, str],
+                    describe: Callable[[str], dict | None] | None) -> str | None:
+    """Why the decode refuses a prefill by its directory record, before dialing (None: dial).
+
+    `layouts` is the record's `{pool: fingerprint}`; `describe(fp)` the
+    directory's published description (for a fingerprint that differs from
+    ours, e.g. another TP split of the same format). Empty `layouts` (a bare
+    address) or a differing fingerprint with no description leaves the
+    decision to the handshake, as without a directory.
+    """
+    if not layouts:
+        return None
+    descs = {}
+    for name, fp in layouts.items():
+        desc = pools.descs.get(name) if pools.fingerprints.get(name) == fp else (
+            describe(fp) if describe is not None else None)
+        if desc is None:
+            if name in pools.descs:
+                return None  # cannot tell before dialing: the handshake decides
+            desc = {}  # a pool we lack: `mismatch` names it from the names alone
+        descs[name] = desc
+    try:
+        return mismatch((descs, dict(layouts)), (pools.descs, pools.fingerprints))
+    except (AttributeError, TypeError, KeyError) as exc:
+        return f"the directory's description of the prefill's pools is malformed: {exc}"
+
+
+def why_lost(addr: str, refusal: tuple[str, str] | None, reason: str,
+             reached: bool = True) -> tuple[str, BaseException]:
+    """What a decode's requests fail with when its link to a prefill closes: a refusal, or a loss.
+
+    `reached` is False when the prefill never welcomed this link (nothing
+    listening, or gone before its Welcome): "lost" would send an operator
+    looking for a crash of a prefill that was never there.
+    """
     if refusal is not None and refusal[0] == "layout":
         error: BaseException = layout_error(refusal[1])
         return str(error), error
     if refusal is not None:
         return f"prefill at {addr} refused: {refusal[1]}", CapabilityError(refusal[1])
-    reason = f"prefill at {addr} lost: {reason}"
+    reason = f"prefill at {addr} {'lost' if reached else 'not reached (no handshake)'}: {reason}"
     return reason, PeerLostError(reason)
 
 

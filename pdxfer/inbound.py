@@ -18,8 +18,10 @@ import numpy as np
 
 from pdxfer import layout
 
+from .directory.records import PeerRecord
 from .errors import RequestError
 from .lifecycle import DecodeLife
+from .pools import PoolSet
 from .protocol import MAX_FRAME, Expect, pack_indices
 from .requests import Request
 from .session import Link
@@ -31,46 +33,57 @@ MAX_INDICES = (MAX_FRAME - (64 << 10)) // 8
 class DecodeRequest(Request):
     """A request as the decode tracks it: its destinations and the prefill serving it."""
 
-    __slots__ = ("dst", "session")
+    __slots__ = ("dst", "record", "rebound", "session")
 
-    def __init__(self, request_id: str, life: DecodeLife, dst: dict[str, np.ndarray], addr: str) -> None:
+    def __init__(self, request_id: str, life: DecodeLife, dst: dict[str, np.ndarray],
+                 record: PeerRecord) -> None:
         super().__init__(request_id, life)
         self.dst = dst
-        self.peer = addr
+        self.record = record  # who should serve it: an address, or a directory record
+        self.peer = record.address
+        self.rebound = False  # re-resolved once already (bounds re-resolution to one hop)
         self.session: PrefillPeer | None = None
+
+    def held(self, pool: str) -> list[np.ndarray]:
+        """Our entries of `pool` this request may still receive into (`resizing.blocking`)."""
+        dst = self.dst.get(pool)
+        return [] if dst is None else [dst]
 
 
 class PrefillPeer:
     """One prefill engine as this decode sees it, keyed by its bootstrap address.
 
     Until its control link first connects, the decode keeps dialling it until
-    `connect_by` (`decode.DecodeEngine._not_reached`): `attempts` so far,
-    `retry_at` the next, `resolving` while its host name is being looked up,
-    `why_not` what the last attempt ran into.
+    `connect_by` (`decode_dials`): `attempts` so far, `retry_at` the next,
+    `resolving` while its host name is being looked up, `why_not` what the
+    last attempt ran into; `retry` False for an address whose prefill was
+    reached before and then lost (not redialled: it is gone).
     """
 
-    __slots__ = ("addr", "attempts", "connect_by", "engine", "link", "ready", "refusal",
-                 "requests", "resolving", "retry_at", "waiting", "why_not")
+    __slots__ = ("addr", "attempts", "connect_by", "engine", "expected", "link", "ready",
+                 "refusal", "requests", "resolving", "retry", "retry_at", "waiting", "why_not")
 
-    def __init__(self, addr: str, connect_by: float) -> None:
+    def __init__(self, addr: str, expected: str | None, connect_by: float, retry: bool = True) -> None:
         self.addr = addr
         self.connect_by = connect_by
         self.attempts = 0
         self.retry_at: float | None = None
         self.resolving = False
         self.why_not: str | None = None
+        self.retry = retry
         self.link: Link | None = None
         self.engine: str | None = None  # the prefill's transport engine id, from Welcome
+        self.expected = expected  # the engine id the dialing request's record named (None: any)
         self.ready = False
         self.refusal: tuple[str, str] | None = None
         self.waiting: list[DecodeRequest] = []  # bound before the handshake finished
         self.requests: set[str] = set()  # Expect sent, not yet finished
 
 
-def expect_message(arenas: Mapping[str, Any], rid: str, xid: int, indices: Mapping[str, Any]
+def expect_message(pools: PoolSet, rid: str, xid: int, indices: Mapping[str, Any]
                    ) -> tuple[dict[str, np.ndarray], Expect]:
     """`(destinations per pool, the Expect to send)`, or the refusal naming what was wrong."""
-    dst = expect_destinations(arenas, rid, indices)
+    dst = expect_destinations(pools.arenas, rid, indices)
     return dst, Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()})
 
 

@@ -50,7 +50,7 @@ class Chunk:
 class PrefillRequest(Request):
     """A request as the prefill tracks it: the decode's destinations, cursors, posted handles."""
 
-    __slots__ = ("cursor", "dst", "handles", "next_chunk", "session")
+    __slots__ = ("cursor", "dst", "handles", "next_chunk", "session", "sources")
 
     def __init__(self, request_id: str, life: PrefillLife) -> None:
         super().__init__(request_id, life)
@@ -59,6 +59,11 @@ class PrefillRequest(Request):
         self.cursor: dict[str, int] = {}
         self.next_chunk = 0
         self.handles: list[Any] = []
+        self.sources: list[dict[str, np.ndarray]] = []  # every accepted chunk's, until finished
+
+    def held(self, pool: str) -> list[np.ndarray]:
+        """Our entries of `pool` this request's transfers may still read (`resizing.blocking`)."""
+        return [c[pool] for c in self.sources if pool in c]
 
 
 class DecodePeer:

@@ -23,6 +23,12 @@ Hello, and planned by one `plan_segments` call per request. It costs one
 transfer per registered allocation its tensors span — a write names one
 region pair — so 2L for separately allocated layers, 1 for a carved set.
 
+A pool whose boundary moves (`layout.ElasticPools`, `Engine.resize`) keeps its
+buffers, so its registration stays; `PoolSet.replace` swaps in the new arena
+and bumps `generation`, and every `Route` re-reads its arena before it plans
+again. A Route also holds the peer's live range, from its Hello and then its
+`LiveRange` messages, and refuses a destination outside it.
+
 Pool compatibility is decided here too (`mismatch`), once, for both sides: the
 fingerprints of the format must agree pool by pool, and the first difference
 is reported in `layout.describe_diff`'s words with the pool named. Two
@@ -77,6 +83,7 @@ class PoolSet:
         # plan_segments already refuses negatives and indices past `entries`.
         self.narrowed = {name: int(d["live_entries"]) < int(d["entries"])
                          for name, d in self.descs.items()}
+        self.generation = 0  # bumped by `replace`: routes re-read their arena before planning
         self.regions: list[LocalRegion] = []
         self.buffers: dict[str, list[tuple[int, int]]] = {}
         _refuse_aliases(self.arenas)
@@ -135,6 +142,29 @@ class PoolSet:
             raise
         self.buffers = {name: [(i, ptr - spans_in[i][0]) if i >= 0 else (i, 0) for i, ptr in bufs_]
                         for name, bufs_ in placed.items()}
+
+    def replace(self, name: str, arena: Any) -> None:
+        """Swap in pool `name`'s arena after its boundary moved (engine lock held).
+
+        Same format and the same buffers, or refused before anything changes:
+        the registration is what makes a move free of re-registering, so a
+        new buffer would be a different pool.
+        """
+        desc = layout.describe(arena)
+        if layout.fingerprint(desc) != self.fingerprints[name]:
+            diff = layout.describe_diff(self.descs[name], desc) or "its format differs"
+            raise RequestError(f"pool {name!r}: a resize must keep the pool's format: {diff}")
+        spans = [(b.data_ptr(), b.numel()) for b in layout.arena_buffers(arena)]
+        if spans != [(b.data_ptr(), b.numel()) for b in layout.arena_buffers(self.arenas[name])]:
+            raise RegistrationError(
+                f"pool {name!r}: the resized arena lives in other buffers than the registered "
+                "ones; a resize moves the boundary inside the allocation, never the allocation"
+            )
+        self.arenas[name] = arena
+        self.descs[name] = desc
+        self.entries[name] = int(desc["entries"])
+        self.narrowed[name] = int(desc["live_entries"]) < int(desc["entries"])
+        self.generation += 1
 
     def readiness(self, ready: Any) -> dict[LocalRegion, Any]:
         """The event each CUDA region's bytes wait for, captured now on the caller's thread.
@@ -223,18 +253,22 @@ class Route:
     allocations need one transfer each.
     """
 
-    __slots__ = ("arena", "direct", "dst_entries", "groups", "pair", "per_entry", "proof", "single")
+    __slots__ = ("arena", "direct", "dst_entries", "dst_first_live", "gen", "groups", "name",
+                 "pair", "per_entry", "pools", "proof", "single")
 
     def __init__(self, pools: PoolSet, name: str, remote_buffers: Any,
                  remote_regions: list[dict], remote_entries: int,
-                 remote_desc: dict | None = None) -> None:
+                 remote_desc: dict | None = None, remote_live: int | None = None) -> None:
         local = pools.buffers[name]
         if not isinstance(remote_buffers, list) or len(remote_buffers) != len(local):
             raise ProtocolError(
                 f"pool {name!r}: peer describes {remote_buffers!r} buffers, we have {len(local)}"
             )
+        self.pools, self.name, self.gen = pools, name, pools.generation
         self.arena = pools.arenas[name]
         self.dst_entries = remote_entries
+        # The peer's live entries start here (they count from the end, `layout.describe`).
+        self.dst_first_live = remote_entries - (remote_entries if remote_live is None else remote_live)
         # A peer at another TP split of the same format: layout plans the pair.
         try:
             self.pair = layout.rank_pair(self.arena, remote_desc)
@@ -259,16 +293,40 @@ class Route:
         if len(local) == 1 and self.groups:
             g = self.groups[0]
             self.single = (g[0], g[1], g[3][0], g[4][0])
-        self.proof = self._proof()
-        # Bytes one entry ships (whole, checkpoint): a proven table's total without a sum.
-        self.per_entry = ((self.arena.entry_bytes, sum(n for _, n in self.arena.checkpoint_ranges))
-                          if self.proof is not None else (0, 0))
+        self._prove()
         # Per-layer tensors in allocations of their own: each buffer is a
         # region at shift 0 on both sides, so its table posts as planned.
         self.direct = None
         if len(self.groups) > 1 and all(len(g[2]) == 1 and not g[3][0] and not g[4][0]
                                         for g in self.groups):
             self.direct = [(g[0], g[1], g[2][0]) for g in self.groups]
+
+    def _prove(self) -> None:
+        self.proof = self._proof()
+        # Bytes one entry ships (whole, checkpoint): a proven table's total without a sum.
+        self.per_entry = ((self.arena.entry_bytes, sum(n for _, n in self.arena.checkpoint_ranges))
+                          if self.proof is not None else (0, 0))
+
+    def set_peer_range(self, entries: int, live: int) -> None:
+        """The peer moved its pool's boundary (`LiveRange`; engine lock held): plan against it."""
+        self.dst_entries, self.dst_first_live = entries, entries - live
+        self._prove()
+
+    def _refresh(self) -> None:
+        """Our own pool's boundary moved (`PoolSet.replace`): take the new arena, prove again."""
+        self.arena, self.gen = self.pools.arenas[self.name], self.pools.generation
+        self._prove()
+
+    def check_destinations(self, dst: np.ndarray) -> None:
+        """Refuse destinations below the peer's live range, naming it (entries above are
+        `plan_segments`' to refuse, against `dst_entries`)."""
+        if dst.size and int(dst.min()) < self.dst_first_live:
+            pos = int(np.flatnonzero(dst < self.dst_first_live)[0])
+            raise LayoutError(
+                f"pool {self.name!r} destination index {int(dst[pos])} at position {pos} is "
+                f"outside the decode's live entries {self.dst_first_live}..{self.dst_entries - 1} "
+                "(as it last announced them); the decode must name live entries"
+            )
 
     def _proof(self) -> tuple[int, int] | None:
         """`(local, remote region length)` when every planned table provably fits both; else None.
@@ -297,6 +355,10 @@ class Route:
     def plan(self, src: np.ndarray, dst: np.ndarray,
              checkpoint: bool) -> list[tuple[LocalRegion, dict, np.ndarray]]:
         """`(local region, remote descriptor, table)` per transfer, empty tables dropped."""
+        if self.gen != self.pools.generation:
+            self._refresh()
+        if self.dst_first_live:
+            self.check_destinations(dst)
         if self.pair is not None:
             tables = self.pair.plan(src, dst, dst_entries=self.dst_entries, checkpoint=checkpoint)
         else:
@@ -340,9 +402,17 @@ def peer_routes(pools: PoolSet, peer_pools: Any, peer_buffers: Any,
         raise ProtocolError("peer buffers must be a dict and regions a list")
     routes = {}
     for name in pools.arenas:
-        entries = peer_pools[name].get("entries")
-        if type(entries) is not int or entries < 0:
-            raise ProtocolError(f"pool {name!r}: the peer's entry count is {entries!r}")
+        entries, live = peer_range(name, peer_pools[name].get("entries"),
+                                   peer_pools[name].get("live_entries"))
         routes[name] = Route(pools, name, peer_buffers.get(name), peer_regions, entries,
-                             peer_pools[name])
+                             peer_pools[name], live)
     return routes
+
+
+def peer_range(name: str, entries: Any, live: Any) -> tuple[int, int]:
+    """A peer's `(entries, live_entries)` for pool `name`, or `ProtocolError` saying what is off."""
+    if type(entries) is not int or entries < 0:
+        raise ProtocolError(f"pool {name!r}: the peer's entry count is {entries!r}")
+    if type(live) is not int or not 0 <= live <= entries:
+        raise ProtocolError(f"pool {name!r}: the peer's live entries are {live!r} of {entries}")
+    return entries, live

@@ -51,10 +51,12 @@ from .protocol import (
     Expect,
     Fenced,
     Hello,
+    LiveRange,
     Ping,
     unpack_indices,
 )
 from .requests import RequestOutcome, check_request_id
+from .resizing import apply_live_range
 from .session import Link, format_address, listen
 
 
@@ -122,6 +124,7 @@ class PrefillEngine(DecodePeers, Engine):
             elif not checked:
                 self._check_sources(chunk)
             self._apply(req, life.on_send(chunk, chunk.last, ready, now))
+            req.sources.append(chunk.indices)  # in flight until the request finishes (resize)
             if session is not None and not ready:
                 self._reopen(session)
 
@@ -191,6 +194,12 @@ class PrefillEngine(DecodePeers, Engine):
             session = None
         if isinstance(msg, Expect):
             return self._on_expect(session, msg)
+        if isinstance(msg, LiveRange):  # the decode moved a pool boundary (resizing)
+            try:
+                with self._lock:
+                    return apply_live_range(session.routes, msg)
+            except ProtocolError as exc:
+                return link.refuse(str(exc))
         if isinstance(msg, Fenced):
             with self._lock:
                 return self._cut(session, f"decode {session.engine} fenced this prefill", fenced=True)

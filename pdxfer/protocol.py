@@ -17,6 +17,8 @@ The conversation:
     prefill → decode    AbortAck   the prefill's transfers for it are finished (`clean`) or cut
     decode  → prefill   Fenced     decode ran drop_peer on the prefill: its data connection is
                                    dead, reconnect before the next post (version 2)
+    decode  → prefill   LiveRange  a pool boundary moved: the entries the decode's pools now
+                                   hold, sent before any Expect naming a newly live one (v3)
     either  → other     Ping       liveness while idle
 
 `xid` is a transfer id the decode engine picks per `expect`: a request id may
@@ -42,7 +44,7 @@ import numpy as np
 from pdxfer.transport.errors import ProtocolError
 from pdxfer.transport.wire import LENGTH, Protocol
 
-VERSION = 2  # 2: Fenced
+VERSION = 3  # 2: Fenced; 3: LiveRange
 # A Hello carries every pool's description and every region descriptor; 4 MiB
 # leaves room for hundreds of fields while refusing a garbage length outright.
 MAX_FRAME = 4 << 20
@@ -138,6 +140,20 @@ class Fenced:
 
 
 @dataclass(frozen=True)
+class LiveRange:
+    """Decode moved a pool boundary (`Engine.resize`): its pools' entry counts now.
+
+    `pools` maps a pool name to `[entries, live_entries]`, as `layout.describe`
+    counts them (live entries at the top of the index range). Sent on every
+    control link after the move and before any later Expect, so the prefill
+    plans each destination against the range the decode had when it named it.
+    """
+
+    TYPE: ClassVar[str] = "live_range"
+    pools: dict
+
+
+@dataclass(frozen=True)
 class Ping:
     """Liveness on an idle link; any frame counts, this one says nothing else."""
 
@@ -168,7 +184,7 @@ class Landed:
 CONTROL = Protocol(
     "pdxfer-ctl",
     VERSION,
-    [Hello, Welcome, Refuse, Expect, Done, Abort, AbortAck, Fenced, Ping, Landed],
+    [Hello, Welcome, Refuse, Expect, Done, Abort, AbortAck, Fenced, LiveRange, Ping, Landed],
     max_frame=MAX_FRAME,
 )
 

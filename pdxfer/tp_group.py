@@ -46,11 +46,11 @@ from pdxfer import layout
 
 from .config import KVPoll, RequestStats
 from .decode import DecodeEngine
+from .directory.records import PeerRecord
 from .errors import ConfigError, RequestError, RequestFailed, TransferTimeout, UnknownRequestError
 from .inbound import expect_destinations
 from .prefill import PrefillEngine
 from .requests import check_request_id
-from .session import parse_address
 
 # Longest single engine wait inside `wait`, so a sibling's failure is seen
 # within this even while another sub-request is quiet.
@@ -67,11 +67,12 @@ def group_address(addresses: Sequence[str]) -> str:
     return ",".join(_group(addresses))
 
 
-def _group(group: str | Sequence[str]) -> list[str]:
+def _group(group: str | Sequence[Any]) -> list[Any]:
     addrs = group.split(",") if isinstance(group, str) else list(group)
-    if not addrs or not all(isinstance(a, str) and a for a in addrs):
+    if not addrs or not all(isinstance(a, str) and a or isinstance(a, PeerRecord) for a in addrs):
         raise RequestError(
-            f"a prefill group is its ranks' addresses in rank order, got {group!r}"
+            f"a prefill group is its ranks' addresses (or directory records) in rank order, "
+            f"got {group!r}"
         )
     return addrs
 
@@ -223,13 +224,16 @@ class HeteroTPDecode(_Group):
     def __init__(self, engine: DecodeEngine, pools: Mapping[str, Any]) -> None:
         super().__init__(engine, pools)
 
-    def expect(self, request_id: str, prefill_group: str | Sequence[str],
+    def expect(self, request_id: str, prefill_group: str | Sequence[str] | Sequence[PeerRecord],
                indices: Mapping[str, Any]) -> None:
         """Expect `request_id` from every prefill rank that holds heads (or replicas) we need.
 
-        `indices` are this rank's destination entries per pool, as for
-        `DecodeEngine.expect`; each contributing prefill rank fills its part
-        of them. Refusals come before any sub-request exists.
+        `prefill_group` is the ranks' addresses in rank order, or their
+        directory records (`PeerDirectory.group(...)`), which are checked
+        against our pools before anything is dialed. `indices` are this
+        rank's destination entries per pool, as for `DecodeEngine.expect`;
+        each contributing prefill rank fills its part of them. Refusals come
+        before any sub-request exists.
         """
         rid = check_request_id(request_id)
         addrs = _group(prefill_group)
@@ -238,14 +242,14 @@ class HeteroTPDecode(_Group):
         unknown = sorted(set(indices) - set(self._split))
         if unknown:
             raise RequestError(f"expect({rid!r}): no pool(s) {unknown} in this TP group")
+        addrs = [self.engine.check_prefill(a) for a in addrs]
         plan: dict[int, dict[str, Any]] = {}
         for pool, idx in indices.items():
             for p in layout.contributing_ranks(len(addrs), self.tp, self.rank, split=self._split[pool]):
                 plan.setdefault(p, {})[pool] = idx
         subs = [sub_request_id(rid, p, self.rank) for p in sorted(plan)]
         for p, sub in zip(sorted(plan), subs, strict=True):  # what engine.expect would refuse
-            check_request_id(sub)
-            parse_address(addrs[p])
+            check_request_id(sub)  # addresses: check_prefill above
             plan[p] = expect_destinations(self._arenas, sub, plan[p])
         self._add(rid, subs)
         done: list[str] = []

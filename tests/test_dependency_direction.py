@@ -95,3 +95,27 @@ def test_checker_flags_a_wrong_way_import(tmp_path: Path) -> None:
     assert _allowed("pdxfer.layout.fields", ALLOWED["layout"])
     assert _allowed("pdxfer.layout.errors", ALLOWED["transport"])
     assert not _allowed("pdxfer.layout.fields", ALLOWED["transport"])
+
+
+ENGINES = {"sglang", "vllm"}
+
+
+def test_the_core_never_imports_a_serving_engine_nor_the_integrations() -> None:
+    # pdxfer/integrations/ adapts pdxfer to SGLang and vLLM (guarded imports); everything else
+    # in pdxfer must import without them, and without the adapters.
+    core = [f for f in sorted((ROOT / "pdxfer").rglob("*.py")) if "integrations" not in f.parts]
+    core += sorted((ROOT / "layout").glob("*.py")) + sorted((ROOT / "transport").glob("*.py"))
+    bad = [f"{f.relative_to(ROOT)} imports {name}" for f in core
+           for name in _imports(f, "pdxfer")
+           if name.split(".")[0] in ENGINES or name.startswith("pdxfer.integrations")]
+    assert not bad, f"the core must not depend on a serving engine: {bad}"
+
+
+def test_the_integrations_import_only_pdxfer_and_their_engine() -> None:
+    files = sorted((ROOT / "pdxfer" / "integrations").glob("*.py"))
+    assert files, "no modules under pdxfer/integrations/"
+    bad = [f"{f.name} imports {name}" for f in files
+           for name in _imports(f, "pdxfer.integrations")
+           if (_project(name) and not name.startswith("pdxfer"))
+           or (name.split(".")[0] in ENGINES and name.split(".")[0] != f.stem)]
+    assert not bad, f"pdxfer/integrations/ breaks the dependency direction: {bad}"

@@ -70,3 +70,26 @@ def test_killed_prefill_worker_fails_requests_instead_of_hanging() -> None:
     assert "prefill worker killed by SIGKILL" in out
     assert elapsed < 60, f"took {elapsed:.0f} s"
     _assert_gone(_worker_pids(out))
+
+
+def test_demo_moving_the_pool_boundary_on_both_workers_keeps_outputs_identical() -> None:
+    # Every request moves both workers' boundaries (the state pool grows, then shrinks
+    # back) while that request's entries hold live data; the outputs must not change.
+    proc, _ = _launch("--transport", "tcp", "--requests", "4", "--prompt-len", "16",
+                      "--gen-len", "4", "--resize-every", "1", "--resize-step", "5")
+    out = proc.stdout + "\n--- stderr ---\n" + proc.stderr
+    assert proc.returncode == 0, out
+    rows = re.findall(r"^(req-\d+)\s.*identical", out, re.M)
+    assert rows == ["req-0", "req-1", "req-2", "req-3"], out
+    moves = re.findall(r"^  resize on (prefill|decode)\s+during (req-\d): state pool (grows|shrinks) "
+                       r"(\d+) -> (\d+) entries \(boundary (\d+) -> (\d+)\): moved (\d+) entr(?:y|ies), "
+                       r"([\d,]+) B in [\d.]+ ms$", out, re.M)
+    assert [(w, r, v) for w, r, v, *_ in moves] == [
+        (w, f"req-{i}", "grows" if i % 2 == 0 else "shrinks")
+        for i in range(4) for w in ("prefill", "decode")], out
+    for _w, _r, _v, before, after, old, new, entries, nbytes in moves:
+        assert abs(int(before) - int(after)) == 5 == abs(int(old) - int(new))
+        assert int(entries) > 0 and int(nbytes.replace(",", "")) > 0  # live entries moved
+    assert "outputs identical: all 4 requests match" in out
+    assert re.search(r"^resizes: 8 boundary moves \(4 on prefill, 4 on decode\)", out, re.M), out
+    _assert_gone(_worker_pids(out))

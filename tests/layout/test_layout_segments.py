@@ -202,8 +202,8 @@ ARENA = EntryMajorArena([EntryField("kv", 1, (64,), torch.float32)], 4, "cpu", l
     ("src", "dst", "kw", "match"),
     [
         ([1, 2, 3], [0, 1], {}, "3 source indices but 2 destination indices"),
-        ([[1, 2]], [[0, 1]], {}, r"source indexs must be a 1-D array, got shape \[1, 2\]"),
-        ([1.0, 2.0], [0, 1], {}, "source indexs must be integers, got dtype float64"),
+        ([[1, 2]], [[0, 1]], {}, r"source indices must be a 1-D array, got shape \[1, 2\]"),
+        ([1.0, 2.0], [0, 1], {}, "source indices must be integers, got dtype float64"),
         ([True], [0], {}, "must be integers, got dtype bool"),
         ([1, -2], [0, 1], {}, "source index -2 at position 1 is negative"),
         ([1, 4], [0, 1], {}, r"source index 4 at position 1 is >= the 4 entries; valid indices are 0\.\.3"),

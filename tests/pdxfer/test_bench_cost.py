@@ -19,7 +19,8 @@ def test_request_cost_prints_costs_and_rates_with_a_legend(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "c.json"
     assert cli.main(["bench", "request-cost", "--requests", "12", "--batch", "4", "--rounds", "1",
-                     "--latency", "3", "--backends", "loopback,tcp", "--json", str(path)]) == 0
+                     "--latency", "3", "--backends", "loopback,tcp", "--width", "0",
+                     "--json", str(path)]) == 0
     out = capsys.readouterr().out
     headers = [[c.strip() for c in line.strip("|").split("|")]
                for line in out.splitlines() if line.startswith("| backend")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pdxfer import bench_tp
+from pdxfer.bench import tp as bench_tp
 
 
 def test_bench_tp_counts_one_segment_per_entry_per_pair(capsys) -> None:

@@ -24,7 +24,7 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["foo"], "invalid choice: 'foo'"),
     (["bench"], "the following arguments are required: which"),
     (["bench", "transprot"], "invalid choice: 'transprot' (choose from 'transport', 'engine', 'layouts', "
-                             "'request-cost', 'tp', 'chunked', 'scaling')"),
+                             "'request-cost', 'tp', 'chunked', 'scaling', 'elastic', 'directory')"),
     (["layout"], "pass --example"),
     (["layout", "--example", "--pages", "5000"], "--pages: '5000': give 1..1024 distinct pages, each 0..1023"),
     (["layout", "--example", "--slot", "-1"], "--slot: -1 is out of range; it must be 0..63"),
@@ -36,6 +36,14 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["bench", "layouts", "--reps", "0"], "--reps: 0 is out of range"),
     (["bench", "layouts", "--backends", "pigeon"], "backends ['pigeon'] are not installed"),
     (["bench", "layouts", "--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: directory"),
+    (["bench", "transport", "--width", "-3"], "--width: -3 is out of range; it must be 0..10000"),
+    (["bench", "tp", "--reps", "0"], "--reps: 0 is out of range"),
+    (["bench", "tp", "--layers", "x"], "--layers: expected an integer, got 'x'"),
+    (["bench", "tp", "--heads", "12"], "--heads 12: must be a multiple of 8"),
+    (["bench", "tp", "--pages", "4", "--request", "5"], "--request 5 exceeds --pages 4"),
+    (["bench", "tp", "--backends", "pigeon"], "backends ['pigeon'] are not installed"),
+    (["bench", "tp", "--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: directory"),
+    (["bench", "chunked", "--backends", "pigeon"], "backends ['pigeon'] are not installed"),
 ])
 def test_misuse_is_a_one_line_usage_error(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -74,3 +82,15 @@ def test_cuda_device_without_cuda_is_refused(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(argparse.ArgumentTypeError, match="unknown device 'tpu'"):
         device_name("tpu")
     assert device_name("CPU") == "cpu"
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["bench", "--help"]])
+def test_version_and_help_answer_without_importing_torch(argv: list[str]) -> None:
+    """A tool's first answer is instant: no torch (a second or more to import), nor numpy."""
+    probe = ("import sys\nfrom pdxfer import cli\n"
+             f"try:\n    cli.main({argv!r})\nexcept SystemExit as exc:\n    code = exc.code\n"
+             "heavy = sorted(m for m in ('torch', 'numpy', 'msgpack') if m in sys.modules)\n"
+             "print('HEAVY', code, heavy, file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "HEAVY 0 []", proc.stderr

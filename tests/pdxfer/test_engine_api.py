@@ -43,13 +43,14 @@ def test_public_api_is_pinned() -> None:
         "HeteroTPDecode", "HeteroTPPrefill", "KVPoll",
         "LayoutError", "LayoutMismatchError", "PdxferError", "PeerLostError", "PrefillEngine",
         "ProtocolError", "RegistrationError", "RequestError", "RequestFailed", "RequestOutcome",
-        "RequestStats", "TransferTimeout", "TransportError", "UnknownRequestError",
+        "RequestStats", "ResizeBlockedError", "ResizeReport", "TransferTimeout", "TransportError",
+        "UnknownRequestError",
         "group_address", "sub_request_id",
     ]
     for name in pdxfer.__all__:
         assert getattr(pdxfer, name) is not None
     shared = ("poll", "wait", "failure_reason", "failure_cause", "outcome", "abort", "stats",
-              "release", "close")
+              "release", "resize", "close")
     for method in ("send", *shared):
         assert callable(getattr(PrefillEngine, method))
     for method in ("expect", *shared):
@@ -59,7 +60,7 @@ def test_public_api_is_pinned() -> None:
 def test_every_exported_error_derives_from_the_one_root() -> None:
     errors = [getattr(pdxfer, n) for n in pdxfer.__all__ if n.endswith("Error") or n in (
         "RequestFailed", "TransferTimeout")]
-    assert len(errors) == 15
+    assert len(errors) == 16
     for cls in errors:
         assert issubclass(cls, PdxferError), cls
     assert issubclass(pdxfer.UnknownRequestError, pdxfer.RequestError)

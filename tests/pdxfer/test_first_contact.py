@@ -5,7 +5,7 @@
   refusal dooms (an `Abort` on the refused link), so the prefill's sender
   does not wait out `request_timeout` with "no decode expected it".
 - A decode started before its prefill keeps dialling, with backoff, for
-  `connect_timeout`; a prefill it never reached is "cannot reach", never
+  `connect_timeout`; a prefill it never reached is "not reached", never
   "lost".
 - A failure of any kind in the prefill's data-connection worker fails that
   connect cleanly, and the next request opens it again.
@@ -83,8 +83,9 @@ def test_a_prefill_never_reached_is_not_called_lost(backend) -> None:
     with DecodeEngine(build_pools(16, 4), config(backend, **SLOW, connect_timeout=0.3)) as decode:
         decode.expect("r", f"127.0.0.1:{port}", {"kv": [1]})
         with pytest.raises(RequestFailed, match=(
-                rf"cannot reach prefill at 127.0.0.1:{port} within 0.3 s \(connect_timeout; "
-                r"\d+ attempts?\)")) as info:
+                rf"prefill at 127.0.0.1:{port} not reached \(no handshake\): cannot connect to "
+                rf"prefill at 127.0.0.1:{port}: ECONNREFUSED; \d+ attempts? within connect_timeout "
+                r"0.3 s")) as info:
             decode.wait("r", QUICK)
         assert "lost" not in info.value.reason
 
@@ -182,8 +183,8 @@ def test_a_slow_name_lookup_does_not_stop_the_progress_thread(monkeypatch) -> No
             assert decode.wait("b", QUICK) is KVPoll.Success
             assert decode.poll("slow") is KVPoll.Bootstrapping or decode.poll("slow") is KVPoll.Failed
             with pytest.raises(RequestFailed, match=(
-                    r"cannot reach prefill at slow.test:4000 within 1.0 s \(connect_timeout; "
-                    r"\d+ attempts?\): no answer resolving 'slow.test'")):
+                    r"prefill at slow.test:4000 not reached \(no handshake\): no answer resolving "
+                    r"'slow.test'; \d+ attempts? within connect_timeout 1.0 s")):
                 decode.wait("slow", QUICK)
             resolver.release.set()  # the late answer is dropped; close() joins its thread at once
     finally:

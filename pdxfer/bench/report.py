@@ -1,0 +1,345 @@
+"""What every `pdxfer bench ...` shares: progress, raw samples, legend, plots.
+
+A benchmark's printed table is a summary (medians, ratios); this module keeps
+the rest of the evidence. `Report` holds every timed sample with the case it
+belongs to, the machine and the backends used, and writes them as JSON
+(`--json PATH`) so a reader can recompute any figure or plot it differently.
+`Progress` tells a person waiting on a long run how far it is (rows done,
+elapsed, ETA) on stderr, so stdout stays the table. `print_legend` explains
+every column the table printed, from the same dict the bench used to pick
+its columns, so a column cannot appear without its meaning. `Table` prints
+the markdown table; one wider than `--width` is cut into several that share
+their leading key columns (every column stays in `--json` whatever is
+printed). `backends_arg` is the one parser of `--backends`.
+
+matplotlib is an optional extra (`pip install pdxfer[plot]`); `--plot` asks
+for it only when used and says how to get it when missing. `figure` puts
+the legend beside the axes, never over the data, and `log_if_dwarfed` says
+when a panel's values span so much that a linear axis would flatten all but
+the largest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..cliargs import bounded_int
+
+# A run shorter than this prints no progress at all: a quick run stays quiet.
+PROGRESS_AFTER_S = 3.0
+# ... and a longer one prints at most one line per this many seconds (and its last).
+PROGRESS_EVERY_S = 2.0
+
+
+def machine() -> dict[str, Any]:
+    """The facts a figure depends on: host, CPU, cores, load, library versions."""
+    import numpy
+    import torch
+
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "host": platform.node(), "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(), "loadavg": load, "python": platform.python_version(),
+        "torch": torch.__version__, "numpy": numpy.__version__,
+        "cuda": torch.cuda.is_available(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def machine_line() -> str:
+    """One comment line naming the machine, for the top of a printed table."""
+    m = machine()
+    load = "" if m["loadavg"] is None else f", load {m['loadavg'][0]:.1f}"
+    return (f"# {m['host']} {m['cpu']}, {m['cores']} cores{load}, python {m['python']}, "
+            f"torch {m['torch']}")
+
+
+def add_output_args(parser: argparse.ArgumentParser, plot: bool = True) -> None:
+    """`--json PATH`, `--width N` (and `--plot PATH`) with the same words in every bench."""
+    parser.add_argument("--json", metavar="PATH", type=Path, default=None,
+                        help="write every raw sample, every column, the machine and the backends as JSON")
+    parser.add_argument("--width", metavar="N", type=_width, default=None,
+                        help="cut a table wider than N characters into narrower ones sharing the "
+                             "key columns (default: the terminal's width, 80 when not a terminal; "
+                             "0: one table however wide)")
+    if plot:
+        parser.add_argument("--plot", metavar="PATH", type=Path, default=None,
+                            help="draw the figures to PATH (PNG/SVG; needs pip install pdxfer[plot])")
+
+
+def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse unwritable output paths and a missing matplotlib before measuring anything."""
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        if path is not None and not path.resolve().parent.is_dir():
+            parser.error(f"--{flag} {path}: directory {path.resolve().parent} does not exist")
+    if getattr(args, "plot", None) is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib, which is an optional extra: "
+                         "pip install 'pdxfer[plot]' (or pip install matplotlib)")
+
+
+class Progress:
+    """`rows done/total, elapsed, ETA` on stderr once a run has taken a few seconds."""
+
+    def __init__(self, total: int, what: str = "rows", stream: TextIO | None = None,
+                 after_s: float | None = None, every_s: float | None = None) -> None:
+        self.total, self.what, self.done = total, what, 0
+        self.stream = sys.stderr if stream is None else stream
+        self.after_s = PROGRESS_AFTER_S if after_s is None else after_s
+        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
+        self.started = time.monotonic()
+        self.last = float("-inf")
+        self.shown = False
+
+    def step(self, label: str = "") -> None:
+        """One row finished."""
+        self.done += 1
+        elapsed = time.monotonic() - self.started
+        last = self.done == self.total
+        if elapsed < self.after_s or (elapsed - self.last < self.every_s and not last):
+            return
+        self.last = elapsed
+        eta = elapsed / self.done * (self.total - self.done)
+        self.stream.write(f"[{self.done}/{self.total} {self.what}, {elapsed:.0f} s elapsed, "
+                          f"ETA {eta:.0f} s] {label}\n")
+        self.stream.flush()
+        self.shown = True
+
+
+class Report:
+    """Every raw sample of one bench run, with the machine and backends, for `--json`."""
+
+    def __init__(self, bench: str, backends: Iterable[str], params: dict[str, Any]) -> None:
+        self.data: dict[str, Any] = {
+            "bench": bench, "machine": machine(), "backends": list(backends),
+            "params": params, "columns": {}, "samples": [], "rows": [],
+        }
+
+    def sample(self, **fields: Any) -> None:
+        """One raw measurement (a list of seconds, a per-request figure...) with its case."""
+        self.data["samples"].append(fields)
+
+    def row(self, row: dict[str, Any]) -> None:
+        """One printed row, as numbers."""
+        self.data["rows"].append(row)
+
+    def finish(self, meanings: dict[str, str], shown: list[str], rows: Iterable[dict[str, Any]],
+               out: Callable[[str], None] = print) -> None:
+        """Print the legend of the columns shown and keep it, with every row, for `write`."""
+        print_legend(meanings, shown, out)
+        self.data["columns"] = meanings
+        for r in rows:
+            self.row(r)
+
+    def note(self, extra: str) -> str:
+        """A figure's footnote: the machine and its load at the start, then `extra`."""
+        m = self.data["machine"]
+        return f"{m['host']}, {m['cores']} cores, load {m['loadavg'][0]:.1f}, {extra}"
+
+    def write(self, path: Path | None, columns: dict[str, str]) -> None:
+        if path is None:
+            return
+        self.data["columns"] = columns
+        path.write_text(json.dumps(self.data, indent=1, default=float) + "\n")
+        print(f"# wrote {len(self.data['samples'])} raw samples to {path}", file=sys.stderr)
+
+
+def print_legend(columns: dict[str, str], shown: Iterable[str],
+                 out: Callable[[str], None] = print) -> None:
+    """`column: meaning` for every column the table shows, in its order."""
+    out("")
+    out("columns:")
+    for name in shown:
+        out(f"  {name}: {columns[name]}")
+
+
+# What a printed figure takes at most (e.g. "12345.6", "0.85x"): a column is
+# as wide as its header or this, whichever is wider.
+_VALUE_WIDTH = 7
+
+
+_width = bounded_int(0, 10_000)
+
+
+def terminal_width(width: int | None) -> int:
+    """`--width` as given, else the terminal's columns (80 when stdout is not a terminal)."""
+    return shutil.get_terminal_size((80, 24)).columns if width is None else width
+
+
+def fit(columns: list[str], keys: int, width: int) -> list[list[str]]:
+    """`columns` cut into groups whose markdown lines fit `width`, each led by the first `keys`.
+
+    A column takes `| ` + max(header, a figure) + ` `; one too wide for any
+    group gets a group of its own. `width` 0 keeps one group.
+    """
+    def cell(c: str) -> int:
+        return max(len(c), _VALUE_WIDTH) + 3
+
+    lead, rest = columns[:keys], columns[keys:]
+    if not width:
+        return [columns]
+    base = 1 + sum(cell(c) for c in lead)
+    groups: list[list[str]] = []
+    current: list[str] = []
+    used = base
+    for c in rest:
+        if current and used + cell(c) > width:
+            groups.append(lead + current)
+            current, used = [], base
+        current.append(c)
+        used += cell(c)
+    groups.append(lead + current)
+    return groups
+
+
+class Table:
+    """A markdown table: rows print as they come when it fits `width`, else as groups at `close()`.
+
+    Call it with one row (a dict column -> text); `close()` prints what was
+    held back. Grouped tables repeat the first `keys` columns so every row
+    can be read on its own.
+    """
+
+    def __init__(self, columns: list[str], out: Callable[[str], None], width: int = 0,
+                 keys: int = 1) -> None:
+        self.columns, self.out = columns, out
+        self.groups = fit(columns, keys, width)
+        self.held: list[dict[str, str]] = []
+        if len(self.groups) == 1:
+            self._header(columns)
+
+    def _header(self, columns: list[str]) -> None:
+        self.out("| " + " | ".join(columns) + " |")
+        self.out("|" + " --- |" * len(columns))
+
+    def _line(self, columns: list[str], row: dict[str, str]) -> None:
+        self.out("| " + " | ".join(row.get(c, "") for c in columns) + " |")
+
+    def __call__(self, row: dict[str, str]) -> None:
+        if len(self.groups) == 1:
+            self._line(self.columns, row)
+        else:
+            self.held.append(row)
+
+    def close(self) -> None:
+        """Print the grouped tables (nothing when the rows already printed)."""
+        if len(self.groups) == 1:
+            return
+        for i, group in enumerate(self.groups):
+            if i:
+                self.out("")
+            self._header(group)
+            for row in self.held:
+                self._line(group, row)
+        self.held = []
+
+
+def markdown(columns: list[str], out: Callable[[str], None], width: int = 0,
+             keys: int = 1) -> Table:
+    """A `Table` over `columns` (its header printed now when it fits `width`)."""
+    return Table(columns, out, width, keys)
+
+
+def log_if_dwarfed(ax: Any, values: Iterable[float], ratio: float = 20.0) -> None:
+    """A log y axis when the largest positive value is over `ratio` times the smallest.
+
+    On a linear axis such a panel shows the largest series and a flat line
+    for the rest (nixl's 50 requests/s beside loopback's 2,000).
+    """
+    positive = [v for v in values if v and v > 0]
+    if positive and max(positive) > ratio * min(positive):
+        ax.set_yscale("log")
+        ax.set_ylabel((ax.get_ylabel() or "") + " (log)")
+
+
+def compose(plt: Any, draw: Callable[[Any], None], title: str, note: str = "") -> Any:
+    """Run `draw(pyplot)`, then title it and put one legend beside the axes; returns the figure.
+
+    `draw` labels its lines and bars but places no legend: the legend goes to
+    the right of every panel (one entry per label, whichever panel drew it),
+    so it never hides data; `note` (the machine, its load) goes under the title.
+    """
+    draw(plt)
+    fig = plt.gcf()
+    handles: dict[str, Any] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    fig.suptitle(title + (f"\n{note}" if note else ""), fontsize=9)
+    fig.tight_layout()
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="center left",
+                   bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
+    return fig
+
+
+def figure(path: Path, draw: Callable[[Any], None], title: str, note: str = "") -> None:
+    """`compose` headless and save to `path` (the legend outside the axes included)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    try:
+        compose(plt, draw, title, note).savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close("all")
+    print(f"# plot written to {path}", file=sys.stderr)
+
+
+# What `--tiny` runs when `--backends` is not given: the two every host has,
+# which set up in milliseconds (a NIXL agent takes a second or more).
+TINY_BACKENDS = ("loopback", "tcp")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` for a run, then put back.
+
+    The count is process-wide: a bench run in-process (the CLI tests, the
+    docs test) must not leave the rest of the process on one thread.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def backends_arg(parser: argparse.ArgumentParser, text: str | None, variants: bool = False,
+                 tiny: bool = False) -> list[str]:
+    """`--backends a,b` as names, or the usage error naming the choices.
+
+    None means every installed backend — `TINY_BACKENDS` for a `--tiny` run.
+    `variants` also accepts (and by default runs) the registry's variants,
+    e.g. `nixl-all`, which only the transport bench measures.
+    """
+    from pdxfer import transport  # here, not at the top: `bench layouts --help` need not load it
+
+    installed = transport.available() + (transport.variants() if variants else [])
+    if text is None:
+        names = [b for b in installed if b in TINY_BACKENDS] if tiny else installed
+    else:
+        names = [b for b in text.split(",") if b]
+    unknown = sorted(set(names) - set(installed))
+    if unknown or not names:
+        parser.error(f"backends {unknown} are not installed; choose from {', '.join(installed)}")
+    return names

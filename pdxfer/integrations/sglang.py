@@ -1,0 +1,560 @@
+"""pdxfer as an SGLang disaggregation transfer backend: `--disaggregation-transfer-backend pdxfer`.
+
+SGLang (0.5.23, `sglang.srt.disaggregation`) drives a backend through four
+classes; this module is them over pdxfer's engines, plus `register()`, the
+`sglang.srt.plugins` entry point that makes the flag resolve to them without
+patching SGLang (pdxfer's pyproject declares it; `pip install pdxfer` is all
+an SGLang install needs).
+
+What maps to what:
+
+- **`PdxferKVManager`** (one per scheduler rank). SGLang hands it `KVArgs`:
+  raw pointers, lengths and item lengths of the per-layer K/V buffers, the
+  metadata ("aux") rows and each hybrid state component (`StateType`). They
+  become pdxfer pools, each adopted through `layout.adopt_ranges` against a
+  declaration made from those same lists (`kit.buffer_pool`): `"kv"` (an
+  entry is a page of every layer's K and V), `"aux"` (an entry is a metadata
+  row), and `"state.<type>"` per state component (an entry is one item of
+  its buffers: a Mamba slot). The prefill side runs a `PrefillEngine`, the
+  decode side a `DecodeEngine`; pdxfer's handshake compares the pools, so a
+  layout mismatch fails the request with pdxfer's reason, which SGLang logs
+  and puts in the abort it streams.
+- **Bootstrap.** SGLang's own registry, not a new one: `PdxferKVBootstrapServer`
+  *is* SGLang's `CommonKVBootstrapServer` (the HTTP `/route` table the router
+  already points decode at, which the Rust registry can stand in for, with
+  the DP-rank queries). Each prefill rank registers its pdxfer control
+  address there as its `rank_ip:rank_port`; a decode rank looks its peer up
+  once per prefill (`try_ensure_parallel_info`, in a worker thread: the
+  scheduler never waits on the network longer than a short bound) and then
+  speaks pdxfer's own handshake to it. The registry carries addresses only;
+  the layout check, liveness and fencing are pdxfer's.
+- **TP ranks.** Decode TP rank r receives from prefill TP rank r (same
+  attention TP size on both sides; per-layer pools cannot be resliced by
+  head across sizes). Another TP, CP or PP size fails each request with the
+  reason, instead of crashing the scheduler. SGLang all-reduces (MIN) each
+  poll over the TP group, so a request commits when every rank's copy did.
+- **Requests.** A request's pdxfer id is its `bootstrap_room` (an int) as
+  text. The decode receiver's `send_metadata` is `DecodeEngine.expect` with
+  the destination pages, its aux row and its state slots; each prefill
+  `send` is one `PrefillEngine.send` chunk. SGLang passes no "last" flag: its
+  last chunk is the one carrying `state_indices` (a list, empty without state
+  components), and it ships the aux row and the state components too (a
+  zero-page last chunk still does: `should_send_kv_chunk`); the pages sent
+  must then add up to `init(num_pages)`. SGLang holds back a partial last page until
+  the next chunk itself; pdxfer sees whole pages only.
+- **The aux row.** SGLang's decode commits a request only once the aux
+  row's `bootstrap_room` is non-zero, and checks it against the request's:
+  the row travels in the last chunk, so Success covers it; a corrupted row is
+  SGLang's own check to catch.
+- **States** (`kit.engine_poll`): pdxfer's `Quarantined` never reaches
+  SGLang. A decode request that may still be written reads as `Transferring`
+  until pdxfer can say `Failed` safely, because on `Failed` SGLang frees the
+  decode pages at once. A request SGLang has seen finish is released from
+  the engine then, its outcome kept on the sender/receiver for
+  `failure_exception` and the metrics.
+
+Configuration: `PDXFER_CONFIG` (JSON `EngineConfig` fields, `kit.engine_config`);
+the host defaults to the address SGLang's own backends advertise. Not
+supported (each refused with the reason): a decode radix-cache prefix
+(`decode_prefix_len > 0`), host destinations, staging buffers, different
+TP/CP/PP sizes, deferred decode KV release.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+from typing import Any
+
+from ..config import KVPoll
+from ..decode import DecodeEngine
+from ..errors import PdxferError, RequestFailed, TransportError, UnknownRequestError
+from ..prefill import PrefillEngine
+from ..requests import RequestOutcome
+from ..session import format_address, parse_address
+from .kit import CONFIG_ENV, buffer_pool, engine_config, engine_poll, pool_indices
+
+try:  # the engine is optional: this module imports (and is unit-tested) without it
+    from sglang.srt.disaggregation.base.conn import (
+        BaseKVManager,
+        BaseKVReceiver,
+        BaseKVSender,
+        KVTransferMetric,
+    )
+    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+    _MISSING: ImportError | None = None
+except ImportError as exc:  # noqa: F841 — kept for the message
+    BaseKVManager = BaseKVSender = BaseKVReceiver = CommonKVBootstrapServer = object  # type: ignore[misc,assignment]
+    KVTransferMetric = None  # type: ignore[assignment]
+    _MISSING = exc
+
+log = logging.getLogger("pdxfer.sglang")
+
+NAME = "pdxfer"  # the --disaggregation-transfer-backend value
+# How long the scheduler thread waits for a prefill's registry lookup before
+# try_ensure_parallel_info says "not yet" (SGLang retries it; a local
+# registry answers in milliseconds, a dead one never stalls the loop longer).
+_LOOKUP_WAIT_S = 0.2
+
+
+def _require_sglang() -> None:
+    if _MISSING is not None:
+        raise ImportError(f"pdxfer's SGLang backend needs SGLang installed (pip install sglang): "
+                          f"{_MISSING}") from _MISSING
+
+
+def _http_json(method: str, url: str, timeout: float, body: dict | None = None) -> tuple[int, Any]:
+    """`(status, parsed JSON or text)` of one request to SGLang's bootstrap registry."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def kvargs_pools(args: Any, device: str) -> dict[str, Any]:
+    """pdxfer pools over SGLang's `KVArgs` buffers: `kv`, `aux`, and one per state component."""
+    pools = {
+        "kv": buffer_pool("kv", args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens,
+                          rows=int(args.page_size), device=device),
+        # MetadataBuffers live in host memory on every device SGLang runs PD on but NPU.
+        "aux": buffer_pool("aux", args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens),
+    }
+    for st, ptrs, lens, items in zip(args.state_types, args.state_data_ptrs, args.state_data_lens,
+                                     args.state_item_lens, strict=True):
+        name = f"state.{getattr(st, 'value', st)}"
+        pools[name] = buffer_pool(name, ptrs, lens, items, device=device)
+    return pools
+
+
+def _refusal(info: dict, mgr: PdxferKVManager) -> str | None:
+    """Why this decode rank cannot take requests from a prefill with `info`, or None."""
+    page, dtype = mgr.kv_args.page_size, getattr(mgr.kv_args, "kv_cache_dtype_str", None)
+    if info.get("page_size") not in (None, page):
+        return (f"prefill page_size={info['page_size']}, decode page_size={page}; run both "
+                "with the same --page-size")
+    if info.get("kv_cache_dtype") not in (None, dtype):
+        return (f"prefill kv_cache_dtype={info['kv_cache_dtype']}, decode {dtype}; run both "
+                "with the same --kv-cache-dtype")
+    if int(info.get("attn_tp_size", 1)) != mgr.attn_tp_size:
+        return (f"prefill attn_tp_size={info['attn_tp_size']}, decode {mgr.attn_tp_size}: pdxfer's "
+                "SGLang backend pairs TP rank r with TP rank r; run both with the same TP size")
+    if int(info.get("attn_cp_size", 1)) != 1 or int(info.get("pp_size", 1)) != 1:
+        return (f"prefill attn_cp_size={info.get('attn_cp_size')}, pp_size={info.get('pp_size')}: "
+                "pdxfer's SGLang backend supports neither context nor pipeline parallel prefill")
+    return None
+
+
+class PdxferKVManager(BaseKVManager):
+    """One scheduler rank's pdxfer engine over SGLang's buffers, and its bootstrap registration."""
+
+    supports_host_destination = False
+    enable_deferred_decode_kv_release = False
+
+    def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any,
+                 is_mla_backend: bool | None = False) -> None:
+        _require_sglang()
+        from sglang.srt.runtime_context import get_device, get_disagg, get_parallel, get_serving
+        from sglang.srt.utils.network import get_local_ip_auto
+
+        self.kv_args, self.server_args = args, server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.mode = str(getattr(disaggregation_mode, "value", disaggregation_mode))
+        par = get_parallel()
+        self.attn_tp_size, self.attn_tp_rank = int(par.attn_tp_size), int(par.attn_tp_rank)
+        self.attn_cp_size, self.attn_cp_rank = int(par.attn_cp_size), int(par.attn_cp_rank)
+        self.attn_dp_size, self.attn_dp_rank = int(par.attn_dp_size), int(par.attn_dp_rank)
+        self.pp_size, self.pp_rank = int(par.pp_size), int(getattr(args, "pp_rank", 0) or 0)
+        self.system_dp_size = int(par.dp_size)
+        self.system_dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
+        self.follow_bootstrap_room = par.load_balance_method == "follow_bootstrap_room"
+        self.load_balance_method = par.load_balance_method
+        self.bootstrap_port = int(get_disagg().disaggregation_bootstrap_port)
+        host = get_serving().host
+        self.bootstrap_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        dev = get_device()
+        device = "cpu" if dev.device == "cpu" else f"{dev.device}:{int(getattr(args, 'gpu_id', 0))}"
+        self.config = engine_config(os.environ.get(CONFIG_ENV), host=get_local_ip_auto)
+        self.pools = kvargs_pools(args, device)
+        self.state_pools = [f"state.{getattr(st, 'value', st)}" for st in args.state_types]
+        engine_cls = PrefillEngine if self.mode == "prefill" else DecodeEngine
+        self.engine = engine_cls(self.pools, self.config)
+        # Read by DecodePreallocQueue: bootstrap address -> prefill info (dp_size,
+        # follow_bootstrap_room) once try_ensure_parallel_info said True.
+        self.prefill_info_table: dict[str, SimpleNamespace] = {}
+        self._lookups: dict[str, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix=f"pdxfer-sglang-{self.mode}")
+        if self.mode == "prefill":
+            try:
+                self.register_to_bootstrap()
+            except BaseException:
+                self.close()
+                raise
+
+    # -- prefill: the registry ---------------------------------------------------------
+    def _registry(self, host: str | None = None, port: int | None = None) -> str:
+        return f"http://{format_address(host or self.bootstrap_host, port or self.bootstrap_port)}"
+
+    def register_to_bootstrap(self) -> None:
+        """Put this rank's pdxfer address in SGLang's bootstrap registry (retried until bootstrap_wait)."""
+        host, port = parse_address(self.engine.bootstrap_address)
+        payload = {
+            "attn_tp_size": self.attn_tp_size, "attn_tp_rank": self.attn_tp_rank,
+            "attn_cp_size": self.attn_cp_size, "attn_cp_rank": self.attn_cp_rank,
+            "attn_dp_size": self.attn_dp_size, "attn_dp_rank": self.attn_dp_rank,
+            "pp_size": self.pp_size, "pp_rank": self.pp_rank,
+            "system_dp_size": self.system_dp_size, "system_dp_rank": self.system_dp_rank,
+            "rank_ip": host, "rank_port": port, "page_size": int(self.kv_args.page_size),
+            "kv_cache_dtype": getattr(self.kv_args, "kv_cache_dtype_str", None),
+            "load_balance_method": self.load_balance_method,
+        }
+        url = f"{self._registry()}/route"
+        deadline = time.monotonic() + self.config.bootstrap_wait
+        while True:
+            try:
+                status, body = _http_json("PUT", url, self.config.connect_wait, payload)
+                if status == 200:
+                    return
+                why = f"status {status}: {body}"
+            except OSError as exc:
+                why = str(exc)
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"pdxfer prefill rank {self.attn_tp_rank} could not register with SGLang's "
+                    f"bootstrap server at {url} within {self.config.bootstrap_wait} s ({why}); "
+                    "check --disaggregation-bootstrap-port and that the server started")
+            time.sleep(min(0.2, self.config.connect_wait))
+
+    def register_room(self, room: int) -> None:
+        """Tell the registry which DP rank serves `room` (prefill DP > 1 not following the room)."""
+        if self.follow_bootstrap_room or max(self.attn_dp_size, self.system_dp_size) == 1:
+            return
+        dp = self.system_dp_rank if self.system_dp_size > 1 else self.attn_dp_rank
+        self._pool.submit(_http_json, "POST", f"{self._registry()}/register_dp_rank",
+                          self.config.connect_wait, {"bootstrap_room": int(room), "dp_rank": dp})
+
+    # -- decode: the prefill's parallel info ------------------------------------------------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """True once this prefill's info (and this rank's peer per DP rank) is known; never blocks long."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        with self._lock:
+            fut = self._lookups.get(bootstrap_addr)
+            if fut is None:
+                fut = self._lookups[bootstrap_addr] = self._pool.submit(self._lookup, bootstrap_addr)
+        try:
+            info = fut.result(timeout=min(_LOOKUP_WAIT_S, self.config.connect_wait))
+        except concurrent.futures.TimeoutError:
+            return False
+        except Exception as exc:  # noqa: BLE001 — SGLang retries, then aborts its requests
+            log.warning("pdxfer decode: prefill registry at %s not answering yet: %s", bootstrap_addr, exc)
+            with self._lock:
+                self._lookups.pop(bootstrap_addr, None)
+            return False
+        self.prefill_info_table[bootstrap_addr] = info
+        return True
+
+    def _lookup(self, bootstrap_addr: str) -> SimpleNamespace:
+        """Worker thread: the prefill's parallel info and, per DP rank, our peer's pdxfer address."""
+        host, port = parse_address(bootstrap_addr)
+        base, wait = f"{self._registry(host, port)}/route", self.config.connect_wait
+        query = "prefill_dp_rank={}&prefill_cp_rank={}&target_tp_rank={}&target_pp_rank={}"
+        status, info = _http_json("GET", f"{base}?{query.format(-1, -1, -1, -1)}", wait)
+        if status != 200 or not isinstance(info, dict):
+            raise TransportError(f"registry answered {status}: {info}")
+        refusal = _refusal(info, self)
+        ranks: dict[int, str] = {}
+        if refusal is None:
+            for dp in range(int(info.get("dp_size", 1))):
+                status, rank = _http_json("GET", f"{base}?{query.format(dp, 0, self.attn_tp_rank, 0)}", wait)
+                if status != 200 or not isinstance(rank, dict):
+                    raise TransportError(f"registry has no prefill DP {dp} TP {self.attn_tp_rank}: "
+                                         f"{status} {rank}")
+                ranks[dp] = format_address(str(rank["rank_ip"]), int(rank["rank_port"]))
+        return SimpleNamespace(dp_size=int(info.get("dp_size", 1)),
+                               follow_bootstrap_room=bool(info.get("follow_bootstrap_room", True)),
+                               attn_tp_size=int(info.get("attn_tp_size", 1)),
+                               ranks=ranks, refusal=refusal)
+
+    # -- requests ------------------------------------------------------------------------
+    def indices(self, kv: Any, aux: int | None, states: list | None) -> dict[str, Any]:
+        """`{pool: indices}` of one request's pages, aux row and state slots (empty ones left out)."""
+        out: dict[str, Any] = {"kv": kv}
+        if aux is not None:
+            out["aux"] = [aux]
+        for pool, idx in zip(self.state_pools, states or [], strict=False):
+            out[pool] = idx
+        return pool_indices(out)
+
+    def close(self) -> None:
+        """Close the engine and the registry worker; idempotent."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
+
+    def teardown(self) -> None:
+        """SGLang's role-switch hook: release the transfer resources (the pools stay SGLang's)."""
+        self.close()
+
+
+class _Request:
+    """What a sender and a receiver share: the id, the finished outcome, the safe poll."""
+
+    def __init__(self, mgr: PdxferKVManager, bootstrap_room: int | None) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_room = bootstrap_room
+        self.rid = str(bootstrap_room)
+        self.known = False  # the engine holds a record of it (we sent / expected)
+        self.local_failure: str | None = None  # failed before the engine knew it
+        self.outcome: RequestOutcome | None = None  # the engine's final word, once released
+
+    def _fail_locally(self, reason: str) -> None:
+        log.warning("pdxfer %s: request %s failed: %s", self.kv_mgr.mode, self.rid, reason)
+        self.local_failure = self.local_failure or reason
+
+    def _engine_poll(self) -> KVPoll:
+        """The engine's state, mapped safely; a finished request is released and remembered."""
+        if self.outcome is not None:
+            return self.outcome.state
+        if self.local_failure is not None and not self.known:
+            return KVPoll.Failed
+        engine = self.kv_mgr.engine
+        state = engine.try_poll(self.rid)
+        if state is not None and state.finished:
+            try:
+                self.outcome = engine.release(self.rid)
+            except UnknownRequestError:  # released in between by another caller: keep the state
+                self.outcome = RequestOutcome(state, None, None, None)
+            return self.outcome.state
+        return engine_poll(state)
+
+    def failure_exception(self) -> None:
+        """Raise why the request failed: pdxfer's `RequestFailed`, its cause attached."""
+        out = self.outcome
+        if out is not None and out.state is KVPoll.Failed:
+            exc = RequestFailed(self.rid, out.reason or "failed")
+            raise exc from out.cause
+        if self.local_failure is not None:
+            raise RequestFailed(self.rid, self.local_failure)
+        raise RequestFailed(self.rid, "failed (no reason recorded)")
+
+    def abort(self) -> None:
+        """Give up: Failed once no byte of the request can land any more."""
+        if self.outcome is not None:
+            return
+        if self.known:
+            try:
+                self.kv_mgr.engine.abort(self.rid, f"{self.kv_mgr.mode} scheduler aborted the request")
+                return
+            except UnknownRequestError:
+                pass
+        self._fail_locally(f"{self.kv_mgr.mode} scheduler aborted the request")
+
+    def clear(self) -> None:
+        """Forget the request; a finished one was already released by the poll that saw it."""
+        if self.outcome is None and self.known:
+            self._engine_poll()
+
+
+class PdxferKVSender(_Request, BaseKVSender):
+    """The prefill side of one request: chunks of pages, the last with aux and state."""
+
+    def __init__(self, mgr: PdxferKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        _Request.__init__(self, mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self.num_pages: int | None = None
+        self.aux_index: int | None = None
+        self.sent_pages = 0
+        self.created = time.monotonic()
+        if not req_has_disagg_prefill_dp_rank:
+            mgr.register_room(bootstrap_room)
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        """How many pages the request sends in all (the last chunk is the one reaching it), its aux row."""
+        self.num_pages, self.aux_index = int(num_kv_indices), aux_index
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """Send every non-empty chunk, and the last even with no page: it carries aux and state."""
+        return num_pages > 0 or last_chunk
+
+    def send(self, kv_indices: Any, state_indices: list | None = None,
+             num_kv_tokens: int | None = None, **_: Any) -> None:
+        """One `PrefillEngine.send` chunk; a refusal fails this request, not the scheduler."""
+        if self.outcome is not None or (self.local_failure is not None and not self.known):
+            return  # finished (the decode gave up, say): SGLang learns it from poll()
+        if self.num_pages is None:
+            return self._fail_locally("send() before init(): SGLang sent a chunk before bootstrap")
+        self.sent_pages += len(kv_indices)
+        # SGLang passes no `last`: its last chunk is the one with state_indices (a list, [] with
+        # no state components; None before). Counting pages cannot tell: a chunk that reaches
+        # init()'s count may be followed by a zero-page last chunk.
+        last = state_indices is not None
+        if self.sent_pages > self.num_pages or (last and self.sent_pages != self.num_pages):
+            where = "last chunk" if last else "chunk"
+            return self._fail(f"{where} brings the pages sent to {self.sent_pages}, but init() "
+                              f"announced {self.num_pages}")
+        indices = self.kv_mgr.indices(kv_indices, self.aux_index if last else None,
+                                      state_indices if last else None)
+        try:
+            self.kv_mgr.engine.send(self.rid, indices, last=last)
+            self.known = True
+        except PdxferError as exc:
+            self._fail(f"send refused: {exc}")
+
+    def _fail(self, reason: str) -> None:
+        """Fail this request (the engine's record too, if it has one), never the scheduler."""
+        self.known = self.kv_mgr.engine.try_poll(self.rid) is not None
+        if self.known:
+            self.kv_mgr.engine.abort(self.rid, reason)
+        else:
+            self._fail_locally(reason)
+
+    def poll(self) -> KVPoll:
+        """Bootstrapping until the decode's Expect; Failed if none came within request_timeout."""
+        state = self._engine_poll()
+        if state is KVPoll.Bootstrapping and self.local_failure is None and not self.known:
+            waited = time.monotonic() - self.created
+            if waited > self.kv_mgr.config.request_wait:
+                self._fail_locally(f"no decode expected room {self.rid} within "
+                                   f"{self.kv_mgr.config.request_wait} s (request_timeout)")
+                return KVPoll.Failed
+        if state is not KVPoll.Bootstrapping:
+            self.known = True
+        return state
+
+    def get_transfer_metric(self) -> Any:
+        """Bytes moved and how long it took (pdxfer's `RequestStats`), once known."""
+        stats = self.outcome.stats if self.outcome is not None else None
+        if stats is None:
+            return KVTransferMetric()
+        return KVTransferMetric(transfer_latency_s=stats.elapsed_s, transfer_total_bytes=stats.nbytes)
+
+
+class PdxferKVReceiver(_Request, BaseKVReceiver):
+    """The decode side of one request: resolve the prefill rank, then expect the pages."""
+
+    def __init__(self, mgr: PdxferKVManager, bootstrap_addr: str,
+                 bootstrap_room: int | None = None) -> None:
+        _Request.__init__(self, mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self.prefill_addr: str | None = None
+        # Read by SGLang's decode queues.
+        self.conclude_state: int | None = None
+        self.abort_notified = False
+        self.require_staging = False
+
+    def _fail_locally(self, reason: str) -> None:
+        super()._fail_locally(reason)
+        self.conclude_state = KVPoll.Failed
+
+    def init(self, prefill_dp_rank: int) -> None:
+        """Find the prefill rank this decode rank pairs with (from the registry lookup)."""
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is None:
+            return self._fail_locally(f"no parallel info for prefill at {self.bootstrap_addr}")
+        if info.refusal is not None:
+            return self._fail_locally(info.refusal)
+        self.prefill_addr = info.ranks.get(int(prefill_dp_rank))
+        if self.prefill_addr is None:
+            self._fail_locally(f"prefill at {self.bootstrap_addr} has no DP rank {prefill_dp_rank}")
+
+    def send_metadata(self, kv_indices: Any, aux_index: int | None = None,
+                      state_indices: list | None = None, decode_prefix_len: int | None = None,
+                      destination: Any = None, **_: Any) -> None:
+        """`DecodeEngine.expect` with the destination pages, aux row and state slots."""
+        if self.local_failure is not None or self.prefill_addr is None:
+            return
+        if decode_prefix_len:
+            return self._fail_locally(
+                f"decode_prefix_len={decode_prefix_len}: pdxfer's SGLang backend does not resume "
+                "from a decode radix-cache prefix; run decode without "
+                "--disaggregation-decode-enable-radix-cache")
+        if destination is not None and getattr(destination, "value", destination) != "device":
+            return self._fail_locally(f"destination {destination}: pdxfer writes device pools only")
+        try:
+            self.kv_mgr.engine.expect(self.rid, self.prefill_addr,
+                                      self.kv_mgr.indices(kv_indices, aux_index, state_indices))
+            self.known = True
+        except PdxferError as exc:
+            self._fail_locally(f"expect refused: {exc}")
+
+    def poll(self) -> KVPoll:
+        """WaitingForInput once the prefill rank is known; then the engine's state, safely mapped."""
+        if self.known or self.conclude_state is not None:
+            return self._engine_poll()
+        return KVPoll.WaitingForInput if self.prefill_addr is not None else KVPoll.Bootstrapping
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """pdxfer tells the prefill of an abort itself (`abort`); nothing more to arm."""
+
+
+class PdxferKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's own bootstrap registry, unchanged: prefill ranks register their pdxfer address.
+
+    Subclassing (not re-implementing) keeps every router and the Rust
+    registry, which stands in only for `CommonKVBootstrapServer` subclasses,
+    working with pdxfer; see the module docstring.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        _require_sglang()
+        super().__init__(host, port)
+
+
+_registered = False
+CLASSES = {"manager": PdxferKVManager, "sender": PdxferKVSender, "receiver": PdxferKVReceiver,
+           "bootstrap_server": PdxferKVBootstrapServer}
+
+
+def register() -> None:
+    """`sglang.srt.plugins` entry point: `--disaggregation-transfer-backend pdxfer` resolves here.
+
+    Three hooks, no patch: the CLI choice, a `TransferBackend` enum that also
+    has `PDXFER` (SGLang parses the flag with `TransferBackend(value)`), and
+    `get_kv_class` wrapped to return this module's classes for it. Idempotent.
+    """
+    global _registered
+    _require_sglang()
+    if _registered:
+        return
+    _registered = True
+    import sglang.srt.disaggregation.utils as U
+    from sglang.srt.arg_groups.choices import (
+        DISAGG_TRANSFER_BACKEND_CHOICES,
+        add_disagg_transfer_backend_choices,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
+        add_disagg_transfer_backend_choices([NAME])
+    members = {m.name: m.value for m in U.TransferBackend}
+    if NAME.upper() not in members:
+        members[NAME.upper()] = NAME
+        HookRegistry.register("sglang.srt.disaggregation.utils.TransferBackend",
+                              enum.Enum("TransferBackend", members, module=U.__name__),
+                              HookType.REPLACE)
+
+    def get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
+        if getattr(transfer_backend, "value", None) == NAME and class_type.value in CLASSES:
+            return CLASSES[class_type.value]
+        return original(transfer_backend, class_type)
+
+    HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", get_kv_class,
+                          HookType.AROUND)

@@ -1,0 +1,11 @@
+"""Engine tests run in the engine's own pinned venv (`make test-sglang`, `make test-vllm`).
+
+`make test`'s venv has neither engine, so there these files are not
+collected at all (rather than collected and skipped): they run, or they are
+not part of that suite. tests/integrations/ holds what needs no engine.
+"""
+
+import importlib.util
+
+collect_ignore_glob = [f"test_{engine}*.py" for engine in ("sglang", "vllm")
+                       if importlib.util.find_spec(engine) is None]
