@@ -90,6 +90,22 @@ def test_a_prefill_never_reached_is_not_called_lost(backend) -> None:
         assert "lost" not in info.value.reason
 
 
+def test_a_prefill_reached_then_lost_is_not_redialled(backend) -> None:
+    """A refused dial where a prefill was welcomed before means it is gone: fail at once."""
+    with DecodeEngine(build_pools(16, 4), config(backend, **SLOW)) as decode:
+        with PrefillEngine(build_pools(16, 4), config(backend, **SLOW)) as prefill:
+            addr = prefill.bootstrap_address
+            decode.expect("a", addr, {"kv": [1]})
+            prefill.send("a", {"kv": [2]})
+            assert decode.wait("a", QUICK) is KVPoll.Success
+        until(lambda: addr not in decode._sessions, "the decode saw the prefill go", QUICK)
+        decode.expect("b", addr, {"kv": [1]})  # its connect_timeout is 30 s: only no redial ends it
+        with pytest.raises(RequestFailed, match=(
+                rf"prefill at {addr} not reached \(no handshake\): cannot connect .*; 1 attempt "
+                r"not redialled: the prefill there was reached before, then lost")):
+            decode.wait("b", QUICK)
+
+
 def test_an_exception_in_the_connect_worker_fails_that_connect_and_the_next_request_reopens(
         backend, monkeypatch) -> None:
     """#20: a non-transport failure (a pinned allocation) in the worker, at Hello and later."""
