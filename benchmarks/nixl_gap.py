@@ -8,7 +8,7 @@ turns, median of `--reps` after a warm-up:
   (prepared lists, a reposted request, NIXL's progress thread, UCX `TLS=tcp`
   on every interface);
 - `raw NIXL, our UCX config`: the same prepared request on agents built by
-  `nixl_wire.make_agent`, as our backend builds them (UCX `TLS=tcp` on the one
+  `transport.nixl.agent.make_agent`, as our backend builds them (UCX `TLS=tcp` on the one
   interface of the engine's host, peer error handling, no progress thread).
 
     .venv/bin/python benchmarks/nixl_gap.py --total-mib 64 --segment-kib 4096 --rounds 4

@@ -3,7 +3,7 @@
 The verbs backend builds one `SendWR` (plus one `SGE` per row) per WR in
 Python, so this cost times WRs per request is its CPU floor per request. It
 cannot post here (no RDMA device), so it measures what runs on the posting
-thread before `ibv_post_send`: `verbs_build.write_wrs` (SGEs, SendWR,
+thread before `ibv_post_send`: `verbs.build.write_wrs` (SGEs, SendWR,
 `set_wr_rdma`) and `link` (`next_wr`), per WR, for 1 and 8 SGEs per WR.
 With `--api soft` it measures the software fabric's objects instead.
 
@@ -24,8 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdxfer.transport import verbs_build as build  # noqa: E402
-from pdxfer.transport.verbs_api import load, soft  # noqa: E402
+from pdxfer.transport.verbs import build  # noqa: E402
+from pdxfer.transport.verbs.api import load  # noqa: E402
+from pdxfer.transport.verbs.sim import namespace as soft  # noqa: E402
 
 
 def per_wr_us(api: object, wrs: int, sges: int, reps: int) -> tuple[float, float]:

@@ -16,15 +16,19 @@ backend that must bounce CUDA memory through host memory says so. An
 instance may narrow its class's flags from its options (nixl's `tls`, a
 forced `fence=False`): always ask the instance, `engine.capabilities`.
 
-Deletion condition for this module: none — adding a backend means one new
-module implementing these classes and one line in `transport.registry`.
+This module is the contract only; the kit that implements most of it once
+for every backend is `transport.engine`, `transport.link`, `transport.inbound`
+(docs/architecture.md, "How to add a backend").
+
+Deletion condition for this module: none — adding a backend means one small
+folder on the kit and one line in `transport.registry`.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,6 +55,9 @@ class Capabilities:
     # cma/cuda_ipc/rc, verbs fence="qp") and when a test forces `fence=False`;
     # the engine then quarantines failed requests instead of fencing (#11).
     fence: bool = True
+    # peers reach it through a socket listener (its address() names host and
+    # port; listener hardening and dial deadlines apply). False for loopback.
+    listens: bool = True
 
 
 class LocalRegion(abc.ABC):
@@ -192,27 +199,4 @@ class TransportEngine(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def forced_fence(cls: type[TransportEngine], fence: object) -> Capabilities:
-    """An instance's capabilities when its `fence` option may switch the fence off.
-
-    `fence=False` exists so the engine's no-fence path (quarantine) runs on
-    backends that could fence; it is never a default, so production code
-    cannot lose the fence without writing it, and `drop_peer` then refuses
-    (`refuse_fence`) rather than pretend.
-    """
-    from .errors import CapabilityError
-
-    if not isinstance(fence, bool):
-        raise CapabilityError(f"{cls.name} option fence must be True or False, got {fence!r}")
-    return replace(cls.capabilities, fence=cls.capabilities.fence and fence)
-
-
-def refuse_fence(engine: TransportEngine, why: str) -> None:
-    """Raise `CapabilityError` from `drop_peer` on an engine whose `capabilities.fence` is False."""
-    from .errors import CapabilityError
-
-    if not engine.capabilities.fence:
-        raise CapabilityError(f"{engine.name} engine {engine.engine_id} cannot fence a peer: {why}")
 

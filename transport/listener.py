@@ -16,9 +16,12 @@ vouches for it. This module owns that stretch, once for both:
   most until the earliest deadline, and only while some connection is
   pending — an idle listener blocks in `accept` and never wakes).
 
-A backend hands each accepted socket to its `on_accept(sock, peer, slot)` and
-calls `slot.admitted()` when the handshake is done (or the connection ends);
+A backend hands each accepted socket to its `on_accept(sock, peer, slot)`,
+reads the peer's first frame with `read_hello` (capped, typed), and calls
+`slot.admitted()` when the handshake is done (or the connection ends);
 `Slot.admitted` is idempotent, so `finally: slot.admitted()` is always right.
+Every backend that listens does it through `EngineBase.listen`: tcp, nixl
+and verbs alike.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from .errors import TransportError
+from .errors import ProtocolError, TransportError
+from .wire import HANDSHAKE_MAX_FRAME, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +58,14 @@ def family_for(host: str) -> socket.AddressFamily:
 class Slot:
     """One connection's claim on its listener's pre-handshake budget."""
 
-    __slots__ = ("_listener", "_sock", "deadline", "_done")
+    __slots__ = ("_listener", "_sock", "deadline", "done")
 
     def __init__(self, listener: Listener, sock: socket.socket, deadline: float) -> None:
-        self._listener, self._sock, self.deadline, self._done = listener, sock, deadline, False
+        self._listener, self._sock, self.deadline, self.done = listener, sock, deadline, False
 
     def admitted(self) -> None:
         """The handshake finished (or the connection ended): free the slot. Idempotent."""
-        self._listener._release(self)
+        self._listener.release(self)
 
     def expire(self) -> None:
         try:  # wakes the thread blocked reading the handshake; it sees EOF
@@ -113,11 +118,12 @@ class Listener:
         with self._lock:
             return len(self._pending)
 
-    def _release(self, slot: Slot) -> None:
+    def release(self, slot: Slot) -> None:
+        """Free `slot` (its connection finished its handshake or ended). Idempotent."""
         with self._lock:
-            if slot._done:
+            if slot.done:
                 return
-            slot._done = True
+            slot.done = True
             self._pending.discard(slot)
 
     def _next_wait(self) -> float | None:
@@ -181,3 +187,15 @@ class Listener:
         self._sock.close()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+
+def read_hello(sock: socket.socket, protocol: Protocol, hello: type) -> Any:
+    """An accepted connection's first frame: at most `HANDSHAKE_MAX_FRAME` bytes, of type `hello`.
+
+    The listener set the socket's handshake timeout; this caps the size, so
+    an unauthenticated peer is held to a few KiB whatever it announces.
+    """
+    msg = protocol.recv(sock, HANDSHAKE_MAX_FRAME)
+    if not isinstance(msg, hello):
+        raise ProtocolError(f"expected hello as the first frame, got {type(msg).TYPE}")
+    return msg

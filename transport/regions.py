@@ -5,11 +5,15 @@ bytes, refused if it overlaps anything already registered — and describes it
 to peers with the same plain dict, so both live here once. A backend adds only
 what is its own (e.g. tcp's bounce buffer for CUDA memory).
 
-A region keeps a reference to the tensor it was registered with: the bytes
-cannot be freed under an in-flight transfer, and an in-flight transfer that
-outlives `deregister` finishes into memory that is still alive. Region ids are
-never reused within an engine, so a stale descriptor can never address a
-newer, different region.
+A region is the parent of the registrations a backend makes over its memory
+(`resources.Resource`): deregistering it closes them, newest first (per-link
+ones before the engine-wide one), and the engine keeps nothing of it. Only
+what still uses the memory holds it: an in-flight transfer holds its
+`Region` (so a copy that outlives `deregister` finishes into memory that is
+still alive), and a link that may still receive a write naming it holds it
+until that link ends (nixl: `nixl/inbound.py`). Region ids are never reused
+within an engine, so a stale descriptor can never address a newer,
+different region.
 """
 
 from __future__ import annotations
@@ -23,14 +27,20 @@ import torch
 
 from .base import LocalRegion
 from .errors import BoundsError, CapabilityError, RegistrationError
+from .resources import Resource
 
 _DESCRIPTOR_KEYS = ("backend", "engine", "region", "length", "device")
 
 
-class Region(LocalRegion):
-    """One registered allocation: its bytes as a flat uint8 tensor (and numpy array on CPU)."""
+class Region(Resource, LocalRegion):
+    """One registered allocation: its bytes as a flat uint8 tensor (and numpy array on CPU).
+
+    Its children are the backend's registrations over it (`adopt`); `close()`
+    (by `RegionTable.deregister`) closes them and marks it deregistered.
+    """
 
     def __init__(self, backend: str, engine_id: str, region_id: int, data: torch.Tensor) -> None:
+        super().__init__()
         self.backend = backend
         self.engine_id = engine_id
         self.region_id = region_id
@@ -53,6 +63,9 @@ class Region(LocalRegion):
             "length": self.length,
             "device": self.device,
         }
+
+    def release(self) -> None:
+        self.registered = False
 
     def __repr__(self) -> str:
         return f"<{self.backend} region {self.region_id} of {self.engine_id}: {self.length} B {self.device}>"
@@ -111,16 +124,26 @@ class RegionTable:
             self._regions[region.region_id] = region
         return region
 
-    def deregister(self, region: LocalRegion) -> None:
-        """Forget `region` (idempotent); in-flight transfers keep its memory alive."""
+    def deregister(self, region: LocalRegion) -> Region | None:
+        """Forget `region` and close its registrations (idempotent): the region, if it was ours.
+
+        In-flight transfers that hold the `Region` keep its memory alive.
+        """
         with self._lock:
-            if isinstance(region, Region) and self._regions.get(region.region_id) is region:
-                del self._regions[region.region_id]
-                region.registered = False
+            if not isinstance(region, Region) or self._regions.get(region.region_id) is not region:
+                return None
+            del self._regions[region.region_id]
+        region.close()
+        return region
 
     def get(self, region_id: int) -> Region | None:
         """The live region with this id, or None."""
         return self._regions.get(region_id)
+
+    def live(self) -> list[Region]:
+        """Every registered region, oldest first."""
+        with self._lock:
+            return list(self._regions.values())
 
     def local(self, region: Any) -> Region:
         """`region` if it is one of ours and still registered, else `RegistrationError`."""
@@ -136,10 +159,12 @@ class RegionTable:
         return region
 
     def clear(self) -> None:
+        """Deregister everything (engine close): each region's registrations close first."""
         with self._lock:
-            for region in self._regions.values():
-                region.registered = False
+            regions = list(self._regions.values())
             self._regions.clear()
+        for region in regions:
+            region.close()
 
 
 def check_descriptor(desc: Any, backend: str, peer_engine: str) -> tuple[int, int]:

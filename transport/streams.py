@@ -14,13 +14,13 @@ explicitly and waited on exactly:
   event on the caller's *current stream* at call time — right when the
   forward pass ran on that stream, wrong when it ran on a side stream the
   caller did not pass. `capture` does this, on the caller's thread.
-  Copy-based backends (loopback, tcp's bounce) make their copy stream wait
-  on that event (`stream.wait_event`: the GPU waits, no thread does);
-  where UCX or the NIC reads the memory itself, nixl keeps the post in its
-  progress thread's queue until the event is reached (`event.query()` each
-  round, no thread blocks), and verbs waits on the caller's thread before
-  posting (`host_wait`, bounded by `connect_timeout`; moving it off that
-  thread as nixl does is the deletion condition of `host_wait`).
+  Every backend's write then waits in its link's ordered post queue
+  (`transport.posting`) until that event is reached — asked with
+  `event.query()` by one readiness thread per engine, no thread blocks, no
+  lock is held, later writes on the link keep their order behind it and
+  other links are not held up — and only then is it submitted. Copy-based
+  backends (loopback, tcp's bounce) also make their copy stream wait on it
+  (`stream.wait_event`, by then a no-op).
 - Host memory needs no readiness: `ready` with a CPU region is refused
   with `CapabilityError`, because it signals a caller who believes its CPU
   tensor is produced asynchronously — a bug to surface, not to ignore.
@@ -32,23 +32,20 @@ explicitly and waited on exactly:
   peer's NIC or UCX (nixl, verbs) are placed before the notify that
   completes them, the same promise.
 
-No function here synchronises a device; `host_wait` polls one event.
+No function here synchronises a device.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .errors import CapabilityError, TransferTimeout
+from .errors import CapabilityError
 
 # What a caller may pass as `ready`.
 Ready = Any  # torch.cuda.Event | torch.cuda.Stream | None
-# host_wait's polling interval: an event query costs ~1 us.
-_POLL = 50e-6
 
 
 def capture(ready: Ready, device: torch.device | str) -> Any:
@@ -78,24 +75,6 @@ def capture(ready: Ready, device: torch.device | str) -> Any:
     raise CapabilityError(
         f"ready must be a torch.cuda.Event, a torch.cuda.Stream or None, got {type(ready).__name__}"
     )
-
-
-def host_wait(event: Any, timeout: float, what: str) -> None:
-    """Block this thread until `event` completed, at most `timeout` s (`TransferTimeout`).
-
-    For backends whose hardware reads the source itself: they cannot make a
-    stream wait, so the host does — on this one event, never the device.
-    """
-    if event is None or event.query():
-        return
-    deadline = time.monotonic() + timeout
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise TransferTimeout(
-                f"{what}: the producer's CUDA event was not reached within {timeout} s; record "
-                "`ready` after the work that writes the source entries"
-            )
-        time.sleep(_POLL)
 
 
 class CopyStream:

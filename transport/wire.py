@@ -17,7 +17,10 @@ actually arrive (`recv_exact`), so a peer that announces a large frame and
 then stalls costs us what it sent, not what it announced. Listeners pass
 `HANDSHAKE_MAX_FRAME` as the limit until a peer has completed its handshake
 (`Protocol.recv(sock, limit)`): an unauthenticated peer is held to a few KiB;
-after the handshake the protocol's own `max_frame` applies.
+after the handshake the protocol's own `max_frame` applies. A `deadline`
+(`time.monotonic()` seconds) bounds a whole frame, not each read: a peer
+that trickles a byte at a time cannot hold the reader past it (the dial's
+handshake, `transport.dial`).
 
 Deliberately absent: nested-schema validation. A field typed `dict` or `list`
 is checked to be one; what is inside is the consuming handler's to check,
@@ -30,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import struct
+import time
 import types
 import typing
 from collections.abc import Iterable
@@ -174,26 +178,36 @@ class Protocol:
         except OSError as exc:
             raise PeerLostError(f"{self.name}: sending {type(msg).TYPE} failed: {exc}") from exc
 
-    def recv(self, sock: socket.socket, limit: int | None = None) -> Any:
-        """Read one message from a blocking socket (honouring its timeout).
+    def recv(self, sock: socket.socket, limit: int | None = None,
+             deadline: float | None = None) -> Any:
+        """Read one message from a blocking socket (honouring its timeout, and `deadline`).
 
         `limit` caps this frame below `max_frame`: a listener passes
-        `HANDSHAKE_MAX_FRAME` until the peer's handshake is done.
+        `HANDSHAKE_MAX_FRAME` until the peer's handshake is done. `deadline`
+        (monotonic seconds) ends the whole frame's read: `TransferTimeout`.
         """
-        head = recv_exact(sock, LENGTH.size, self.name)
+        head = recv_exact(sock, LENGTH.size, self.name, deadline)
         (length,) = LENGTH.unpack(head)
         self.check_length(length, limit)
-        return self.unpack(recv_exact(sock, length, self.name))
+        return self.unpack(recv_exact(sock, length, self.name, deadline))
 
 
-def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer") -> bytes:
+def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer",
+               deadline: float | None = None) -> bytes:
     """Exactly `nbytes` from `sock`, or `PeerLostError`/`TransferTimeout`.
 
     The buffer grows piece by piece with what arrives: a peer that announces
-    16 MiB and sends 12 bytes holds 12 bytes of ours, not 16 MiB.
+    16 MiB and sends 12 bytes holds 12 bytes of ours, not 16 MiB. With a
+    `deadline` each read waits only for what is left of it.
     """
     buf = bytearray()
     while len(buf) < nbytes:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"{what}: frame incomplete at its deadline "
+                                      f"({len(buf)}/{nbytes} B)")
+            sock.settimeout(left)
         try:
             piece = sock.recv(min(nbytes - len(buf), _RECV_PIECE))
         except TimeoutError as exc:

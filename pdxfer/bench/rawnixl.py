@@ -32,13 +32,13 @@ _ids = itertools.count()
 def agent(name: str, tls: str, device: str = "") -> Any:
     """A NIXL agent with NIXL's defaults (progress thread on) and UCX limited to `tls` if given.
 
-    With `device`, exactly our nixl backend's agent instead (`nixl_wire.make_agent`:
+    With `device`, exactly our nixl backend's agent instead (`transport.nixl.agent.make_agent`:
     UCX on that one interface, peer error handling, no progress thread — the
     polling loops here progress it), to tell NIXL's cost from our configuration's.
     """
     # Through the transport's NIXL edge: importing nixl_cu12 there routes its
     # log records away from stdout, which a bench child speaks on.
-    from pdxfer.transport.nixl_wire import make_agent, nixl_agent, nixl_agent_config
+    from pdxfer.transport.nixl.agent import make_agent, nixl_agent, nixl_agent_config
 
     if device:
         return make_agent(name, tls, device)

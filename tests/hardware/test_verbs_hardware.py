@@ -31,7 +31,7 @@ def pair():
 
 
 def test_probe_reports_port_and_limits() -> None:
-    from pdxfer.transport.verbs_api import load, pick_port
+    from pdxfer.transport.verbs.api import load, pick_port
 
     ctx, port = pick_port(load())
     try:
@@ -102,12 +102,12 @@ def test_reconnect_after_drop_uses_new_rkeys(pair) -> None:
     src, dst = torch.ones(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
     a, b = tx.register(src), rx.register(dst)
     conn = tx.connect(rx.address())
-    old = conn._regions[b.region_id][2]
+    old = conn.peer_regions[b.region_id].info[1]
     rx.drop_peer(tx.engine_id)
     with pytest.raises(transport.PeerLostError):
         conn.write(a, b.descriptor(), np.array([[0, 0, 64]], np.int64)).wait(WAIT)
     fresh = tx.connect(rx.address())
-    assert fresh._regions[b.region_id][2] != old
+    assert fresh.peer_regions[b.region_id].info[1] != old
     fresh.write(a, b.descriptor(), np.array([[0, 0, 64]], np.int64)).wait(WAIT)
     assert dst[:64].eq(1).all()
 

@@ -173,7 +173,9 @@ def test_config_refuses_unknown_and_ignored_transport_options() -> None:
     with pytest.raises(ConfigError, match=r"unknown transport_options key 'stream' for transport "
                                           r"'tcp'; valid: .*connect_timeout.*streams"):
         EngineConfig(transport="tcp", transport_options={"stream": 2})
-    with pytest.raises(ConfigError, match=r"transport 'loopback' ignores the option 'streams'"):
+    with pytest.raises(ConfigError, match=r"transport 'loopback' ignores the option 'connect_timeout'"):
+        EngineConfig(transport="loopback", transport_options={"connect_timeout": 2.0})
+    with pytest.raises(ConfigError, match=r"unknown transport_options key 'streams' for transport 'loopback'"):
         EngineConfig(transport="loopback", transport_options={"streams": 2})
     with pytest.raises(ConfigError, match=r"duplicates EngineConfig.host"):
         EngineConfig(transport="tcp", transport_options={"host": "::1"})
@@ -198,7 +200,7 @@ def test_readiness_is_captured_at_send_and_reaches_every_write(monkeypatch) -> N
     # A chunk sent before the decode expects it is posted later, on the progress
     # thread, whose current stream is not the caller's: the event must be the
     # one captured inside send(), on the caller's thread.
-    from pdxfer.transport.loopback import LoopbackConnection
+    from pdxfer.transport.loopback import LoopbackLink
 
     from pdxfer.pools import PoolSet
 
@@ -208,7 +210,7 @@ def test_readiness_is_captured_at_send_and_reaches_every_write(monkeypatch) -> N
         captured.append(threading.current_thread())
         return {r: ("event", ready) for r in self.regions}
 
-    write = LoopbackConnection.write
+    write = LoopbackLink.write
 
     def recording(self, local, remote, segments, notify=None, *, ready=None):
         if len(segments):  # the handshake's empty warm-up writes move no pool bytes
@@ -216,7 +218,7 @@ def test_readiness_is_captured_at_send_and_reaches_every_write(monkeypatch) -> N
         return write(self, local, remote, segments, notify)
 
     monkeypatch.setattr(PoolSet, "readiness", readiness)
-    monkeypatch.setattr(LoopbackConnection, "write", recording)
+    monkeypatch.setattr(LoopbackLink, "write", recording)
     with PrefillEngine(build_pools(16, 4), config("loopback")) as prefill, \
             DecodeEngine(build_pools(16, 4), config("loopback")) as decode:
         prefill.send("q", {"kv": [2, 3], "state": [1]}, ready="R")  # queued: decode not there yet

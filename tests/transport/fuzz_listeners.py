@@ -49,12 +49,12 @@ class _BodyReads:
         self._orig = wire.recv_exact
         wire.recv_exact = self._recv_exact  # Protocol.recv looks the name up per call
 
-    def _recv_exact(self, sock: socket.socket, nbytes: int, what: str = "peer") -> bytes:
+    def _recv_exact(self, sock: socket.socket, nbytes: int, *args: object) -> bytes:
         if nbytes > wire.HANDSHAKE_MAX_FRAME:
             with self.cond:
                 self.count += 1
                 self.cond.notify_all()
-        return self._orig(sock, nbytes, what)
+        return self._orig(sock, nbytes, *args)
 
     def wait(self, n: int, timeout: float) -> bool:
         with self.cond:
@@ -77,14 +77,12 @@ def _settled(socks: list[socket.socket], timeout: float) -> None:
 
 def run(backend: str) -> list[dict]:
     engine = transport.create(backend)
-    proto = {"tcp": "pdxfer.transport.tcp_wire", "nixl": "pdxfer.transport.nixl_wire"}[backend]
-    mod = __import__(proto, fromlist=["x"])
-    largest = (mod.PROTOCOL if backend == "tcp" else mod.CONTROL).max_frame
+    largest = 16 << 20  # at least every protocol's max_frame: each listener must refuse it unread
     counter = _BodyReads()
     addr = engine.address()
     rng = np.random.default_rng(9)
     out = []
-    listener = engine._listener
+    listener = engine.listener
     held: list[socket.socket] = []
 
     def report(case: str, n: int, base: int) -> None:
@@ -103,7 +101,7 @@ def run(backend: str) -> list[dict]:
     held += socks
 
     if backend == "tcp":  # nixl admits a link by building a NIXL agent: not a cheap fuzz
-        from pdxfer.transport.tcp_wire import PROTOCOL, Hello, Welcome
+        from pdxfer.transport.tcp.wire import PROTOCOL, Hello, Welcome
         base = rss()
         before = counter.count
         socks = []
@@ -111,7 +109,7 @@ def run(backend: str) -> list[dict]:
             s = _connect(addr)
             s.sendall(PROTOCOL.pack(Hello(engine=f"fuzz-{k}", link=f"fuzz-{k}", stream=0, streams=1)))
             assert isinstance(PROTOCOL.recv(s), Welcome)
-            s.sendall(wire.LENGTH.pack(largest - 16) + b"\x00")
+            s.sendall(wire.LENGTH.pack(PROTOCOL.max_frame - 16) + b"\x00")
             socks.append(s)
         ok = counter.wait(before + len(socks), 10.0)
         assert ok, "handshaken connections never reached their body read"

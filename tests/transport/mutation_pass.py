@@ -1,4 +1,8 @@
-"""The #9 mutation pass: delete one safety check at a time and see whether the suite notices.
+"""The mutation pass (#9, #19): delete one safety check at a time and see whether the suite notices.
+
+Since #19 most checks live once, in the kit (K*), and are caught by the kit's
+cases over every registry configuration; the backends' own guards (L*, T*,
+N*, V*) by their own tests.
 
 `python tests/transport/mutation_pass.py [NAME ...]` copies the committed tree (git
 archive HEAD) to a scratch directory, makes it importable as `pdxfer` ahead of the
@@ -16,55 +20,81 @@ import sys
 import tempfile
 
 T = "tests/transport/"
-FENCE = [T + "test_fence.py"]
-CORE = FENCE + [T + f for f in ("test_conformance.py", "test_conformance_faults.py", "test_tcp_wire.py", "test_nixl.py", "test_tcp.py")]
+KIT = T + "test_kit_conformance.py"
+
+
+def kit(expr: str) -> list[str]:
+    """The kit's cases matching `expr`, over every registry configuration."""
+    return [KIT, "-k", expr]
+
 
 # name, file, old text, new text, tests
 MUTATIONS = [
-    ("M1", "transport/loopback.py", "        with self._landing:\n            pass", "        pass", CORE),
-    ("M2", "transport/tcp_recv.py", "        with self.landing:\n            if self.dropped:\n                return\n"
-     "            if region.view", "        if True:\n            if self.dropped:\n                return\n"
-     "            if region.view", CORE),
-    ("M3", "transport/tcp_recv.py", "                return\n            if notify is not None:",
-     "                return\n        if True:\n            if notify is not None:", CORE),
-    ("M4", "transport/tcp_recv.py", "        self._shutdown()\n        with self.landing:\n            pass",
-     "        self._shutdown()", CORE),
-    ("M5", "transport/tcp_recv.py", "            if self.dropped:\n                return\n            if region.view",
-     "            if region.view", FENCE),
-    ("M6", "transport/nixl_peer.py", "        with self.delivering:\n            pass\n        if already",
-     "        if already", CORE),
-    ("M7", "transport/nixl_progress.py", "            with peer.delivering:", "            if True:", CORE),
-    ("M8", "transport/loopback.py", "                with self._landing:\n                    if self._error is not None:\n"
-     "                        item.handle.fail(self._error)\n                        return\n"
-     "                    self._peer._deliver", "                if True:\n                    if False:\n"
-     "                        return\n                    self._peer._deliver", CORE),
-    ("M9", "transport/segments.py", "    if np.count_nonzero(stops[:-1] > starts[1:]):\n        return None", "    pass",
-     [T + "test_segments_large.py"] + CORE),
-    ("M10", "transport/segments.py", "    if starts.shape[0] < 2:\n        return\n    order",
-     "    if True:\n        return\n    order", CORE),
-    ("M11", "transport/tcp_recv.py", "        nbytes = check_ranges(ranges, region.length, what)",
-     "        nbytes = int(ranges[:, 1].sum())", CORE),
-    ("M12", "transport/wire.py", "    buf = bytearray()\n    while", "    buf = bytearray(); _pre = bytearray(nbytes)\n    while",
+    # -- the kit: one copy guards every backend ---------------------------------------------
+    ("K1", "transport/inbound.py", "        self.cut()\n        with self.guard:  # waits out a landing or a notify in progress (re-entrant)\n            pass",
+     "        self.cut()", kit("no_notify_starts_after_drop_peer")),
+    ("K2", "transport/inbound.py", "                if self.dead:\n                    return False\n                if payload is not None",
+     "                if payload is not None", kit("no_notify_starts or fences_earlier")),
+    ("K3", "transport/link.py", "        nbytes = check_table(table, src.length, dst.length)",
+     "        nbytes = int(table[:, 2].sum()) if table.shape[0] else 0", kit("bad_table")),
+    ("K4", "transport/link.py", "        if dst.length != length:\n            raise",
+     "        if False:\n            raise", kit("bad_region")),
+    ("K5", "transport/engine.py", "        if not self.capabilities.fence:\n            raise",
+     "        if False:\n            raise", kit("drop_peer_is_a_fence_or_refuses")),
+    ("K6", "transport/engine.py", "    if unknown:\n", "    if False:\n", kit("unknown_option or refused_not_ignored")),
+    ("K7", "transport/posting.py", "        if not self._waiting and reached(post.ready):", "        if not self._waiting:",
+     kit("waits_in_its_links_queue or never_reached")),
+    ("K8", "transport/dial.py", "            reply = protocol.recv(sock, deadline=deadline)",
+     "            sock.settimeout(timeout)\n            reply = protocol.recv(sock)", kit("trickling_its_welcome")),
+    ("K9", "transport/dial.py", "        for sock in socks:\n            try:\n                sock.shutdown",
+     "        for sock in []:\n            try:\n                sock.shutdown", kit("close_ends_a_dial")),
+    ("K10", "transport/listener.py", "                full = len(self._pending) >= self.max_pending",
+     "                full = False", kit("pending_connections")),
+    ("K11", "transport/listener.py", "            slot.admitted()  # first: a peer that sees the EOF finds the slot free\n"
+     "            slot.expire()", "            pass", kit("trickling_its_handshake")),
+    ("K12", "transport/wire.py", "        limit = self.max_frame if limit is None else min(limit, self.max_frame)",
+     "        limit = self.max_frame", kit("pre_handshake")),
+    ("K13", "transport/listener.py", "    msg = protocol.recv(sock, HANDSHAKE_MAX_FRAME)", "    msg = protocol.recv(sock)",
+     kit("pre_handshake")),
+    ("K14", "transport/wire.py", "    buf = bytearray()\n    while", "    buf = bytearray(); _pre = bytearray(nbytes)\n    while",
      [T + "test_listener.py"]),
-    ("M13", "transport/wire.py", "        limit = self.max_frame if limit is None else min(limit, self.max_frame)",
-     "        limit = self.max_frame", [T + "test_listener.py", T + "test_tcp_wire.py"]),
-    ("M14", "transport/listener.py", "                full = len(self._pending) >= self.max_pending",
-     "                full = False", [T + "test_listener.py"]),
-    ("M15", "transport/listener.py", "            slot.admitted()  # first: a peer that sees the EOF finds the slot free\n"
-     "            slot.expire()", "            pass", [T + "test_listener.py"]),
-    ("M16", "transport/loopback.py", "        self.join(JOIN_TIMEOUT)\n", "", [T + "test_clean_exit.py"]),
-    ("L1", "layout/segments.py", "    if src.size < 2 or (src[1:] >= src[:-1]).all():\n        return None",
+    ("K15", "transport/segments.py", "    if np.count_nonzero(stops[:-1] > starts[1:]):\n        return None", "    pass",
+     [T + "test_segments_large.py"]),
+    ("K16", "transport/segments.py", "    if starts.shape[0] < 2:\n        return\n    order",
+     "    if True:\n        return\n    order", kit("bad_table")),
+    # -- what each backend keeps of its own ----------------------------------------------------
+    ("L1", "transport/loopback.py", "                with arrival.guard:  # a fence waits out this copy, and none starts after it",
+     "                if True:", [T + "test_fence.py"]),
+    ("L2", "transport/loopback.py", "            self._worker.join(JOIN_TIMEOUT)", "            pass",
+     [T + "test_clean_exit.py"]),
+    ("T1", "transport/tcp/recv.py", "        with self.guard:\n            if self.dead:\n                return\n            if region.view",
+     "        if True:\n            if self.dead:\n                return\n            if region.view", [T + "test_fence.py"]),
+    ("T2", "transport/tcp/recv.py", "            if self.dead:\n                return\n            if region.view",
+     "            if region.view", [T + "test_fence.py"]),
+    ("T3", "transport/tcp/recv.py", "        nbytes = check_ranges(ranges, region.length, what)",
+     "        nbytes = int(ranges[:, 1].sum())", [T + "test_tcp_wire.py"]),
+    ("N1", "transport/nixl/engine.py", "                                   fence=fenceable)",
+     "                                   fence=True)", [T + "test_nixl.py"]),
+    ("V1", "transport/verbs/inbound.py", "            if ours:\n                mr.close()",
+     "            if False:\n                mr.close()", [T + "test_verbs_backend.py"]),
+    ("V2", "transport/verbs/engine.py", "        return replace(cls.capabilities, fence=fence == \"mr\")",
+     "        return replace(cls.capabilities, fence=True)", [T + "test_verbs_backend.py"]),
+    ("K17", "transport/control.py", "        if self.deliver(payload for _, payload in landed):\n            self.ack",
+     "        for _, payload in landed:\n            if payload is not None:\n                self.table.notify(self.sender, payload)\n        if True:\n            self.ack",
+     kit("(nixl or verbs) and no_notify_starts")),
+    # -- layout's planner ------------------------------------------------------------------------
+    ("P1", "layout/segments.py", "    if src.size < 2 or (src[1:] >= src[:-1]).all():\n        return None",
      "    if src.size < 2:\n        return None\n    return np.argsort(src, kind='stable')[::-1]",
      ["tests/layout/test_planner_large.py"]),
-    ("L2", "layout/segments.py", "    if arr.size < 2:\n        return\n    if arr.size <= _SMALL:",
+    ("P2", "layout/segments.py", "    if arr.size < 2:\n        return\n    if arr.size <= _SMALL:",
      "    if arr.size < 2 or arr.size > _SMALL:\n        return\n    if arr.size <= _SMALL:",
      ["tests/layout/test_planner_large.py"]),
-    ("L3", "layout/segments.py", "        if (arr[1:] > arr[:-1]).all():", "        if (arr[1:] >= arr[:-1]).all():",
+    ("P3", "layout/segments.py", "        if (arr[1:] > arr[:-1]).all():", "        if (arr[1:] >= arr[:-1]).all():",
      ["tests/layout/test_planner_large.py"]),
-    ("L4", "layout/segments.py", "    offs = np.array([o for o, _ in ranges], dtype=np.int64)",
+    ("P4", "layout/segments.py", "    offs = np.array([o for o, _ in ranges], dtype=np.int64)",
      "    ranges = ranges[:1]\n    offs = np.array([o for o, _ in ranges], dtype=np.int64)",
      ["tests/layout/test_planner_large.py"]),
-    ("L5", "layout/segments.py", "        order = pos[pos >= 0]", "        order = pos[pos >= 0][::-1]",
+    ("P5", "layout/segments.py", "        order = pos[pos >= 0]", "        order = pos[pos >= 0][::-1]",
      ["tests/layout/test_planner_large.py"]),
 ]
 

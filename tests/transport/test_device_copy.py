@@ -13,7 +13,7 @@ import pytest
 import torch
 from pdxfer.transport import device_copy
 from pdxfer.transport.device_copy import copy_rows, plan_copy, run_copy
-from segment_tables import CANARY, assert_landed, random_table
+from pdxfer.transport.testing.tables import CANARY, assert_landed, random_table
 
 N = 1 << 20
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from pdxfer.transport import copying
 from pdxfer.transport.copying import CopyPool, coalesce, plan
-from segment_tables import CANARY, assert_landed, random_table
+from pdxfer.transport.testing.tables import CANARY, assert_landed, random_table
 
 N = 1 << 20
 

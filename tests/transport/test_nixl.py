@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 from pdxfer.transport import CapabilityError, ProtocolError, RegistrationError, TransportError
-from segment_tables import CANARY, assert_landed
-from transport_rig import WAIT, Rig
+from pdxfer.transport.testing import Backend, Rig
+from pdxfer.transport.testing.rig import WAIT
+from pdxfer.transport.testing.tables import CANARY, assert_landed
 
 from pdxfer import transport
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def rig():
-    r = Rig("nixl")
+    r = Rig(Backend.named("nixl"))
     try:
         yield r
     finally:
@@ -78,7 +79,7 @@ def test_a_write_never_waits_for_the_agent_lock(rig: Rig) -> None:
     held, returned, saw_return = threading.Event(), threading.Event(), []
 
     def long_nixl_call() -> None:
-        with rig.tx._agent_lock:
+        with rig.tx._initiator.lock:
             held.set()
             saw_return.append(returned.wait(WAIT))
 
@@ -95,47 +96,12 @@ def test_a_write_never_waits_for_the_agent_lock(rig: Rig) -> None:
     rig.wait_note(b"while-held")
 
 
-class _Gate:
-    """Stands in for a producer's CUDA event: `query()` is all the post queue asks of it."""
-
-    def __init__(self) -> None:
-        self.reached, self.asked = threading.Event(), threading.Event()
-
-    def query(self) -> bool:
-        self.asked.set()
-        return self.reached.is_set()
-
-
-def test_a_write_waits_in_the_queue_for_its_producer_event_and_later_writes_keep_order(
-        rig: Rig, monkeypatch) -> None:
-    # #11 on nixl: UCX reads a CUDA source itself, so the post must wait for the
-    # producer's event; it waits in the progress thread's queue (write() returns at
-    # once) and a later write to the same region must not overtake it.
-    from pdxfer.transport import nixl_conn
-
-    gate = _Gate()
-    monkeypatch.setattr(nixl_conn, "capture", lambda ready, device: ready)
-    first = np.array([[0, 0, 4096]], np.int64)
-    second = np.array([[4096, 0, 4096]], np.int64)  # same destination: order is visible
-    h1 = rig.conn.write(rig.src_region, rig.remote, first, notify=b"first", ready=gate)
-    h2 = rig.conn.write(rig.src_region, rig.remote, second, notify=b"second")
-    assert gate.asked.wait(WAIT), "the progress thread never asked whether the event was reached"
-    assert gate.asked.clear() or gate.asked.wait(WAIT)  # a whole round later, still held
-    assert not h1.poll() and not h2.poll()
-    assert (rig.dst[:4096] == CANARY).all(), "posted before its producer's event was reached"
-    gate.reached.set()
-    h1.wait(WAIT)
-    h2.wait(WAIT)
-    assert (rig.dst[:4096] == rig.src[4096:8192]).all(), "the later write was overtaken"
-    rig.wait_note(b"second")
-
-
 def test_close_fences_the_link_on_the_receiver(rig: Rig) -> None:
     rig.conn.write(rig.src_region, rig.remote, np.array([[0, 0, 64]], np.int64)).wait(WAIT)
-    assert [p.sender for p in rig.rx._live_peers()] == [rig.tx.engine_id]
+    assert [p.sender for p in rig.rx.inbound.links()] == [rig.tx.engine_id]
     rig.conn.close()
     deadline = time.monotonic() + WAIT
-    while rig.rx._live_peers():  # the receiver's fence follows our Bye
+    while rig.rx.inbound.links():  # the receiver's fence follows our Bye
         assert time.monotonic() < deadline, "receiver kept the closed link's agent"
         time.sleep(0.01)
 
@@ -158,7 +124,7 @@ def test_unknown_ucx_transport_is_a_clear_error() -> None:
 
 
 def test_notification_frames_round_trip_and_refuse_garbage() -> None:
-    from pdxfer.transport.nixl_wire import pack_note, unpack_note
+    from pdxfer.transport.nixl.wire import pack_note, unpack_note
 
     note = unpack_note(pack_note(7, b"payload"))
     assert (note.seq, note.payload) == (7, b"payload")
@@ -217,11 +183,12 @@ def test_ucx_listens_only_on_the_interface_of_the_host_given() -> None:
 def test_capabilities_follow_the_ucx_transports_per_instance() -> None:
     # tcp: host memory, receiver-driven, fenceable. UCX's full list: VRAM
     # (cuda_ipc/cuda_copy where present), one-sided (cma here) — no fence.
-    from pdxfer.transport.nixl import cuda_tls
+    from pdxfer.transport.nixl.agent import cuda_tls
 
     with transport.create("nixl") as tcp, transport.create("nixl-all") as full, \
             transport.create("nixl", tls=None) as default:
         assert (tcp.tls, full.tls, default.tls) == ("tcp", "all", "all")
+        assert transport.capabilities("nixl-all") == full.capabilities  # #25 item 7
         assert not tcp.capabilities.cuda_memory and not tcp.capabilities.one_sided
         assert full.capabilities.cuda_memory and full.capabilities.one_sided
         assert type(tcp).capabilities.cuda_memory is False  # the class keeps tcp's answer
@@ -229,17 +196,15 @@ def test_capabilities_follow_the_ucx_transports_per_instance() -> None:
 
 
 def test_region_rows_name_each_regions_device_for_vram_descriptors() -> None:
-    from pdxfer.transport.nixl_conn import NixlConnection
-    from pdxfer.transport.nixl_peer import region_rows
-    from pdxfer.transport.nixl_wire import mem_type
+    from pdxfer.transport.nixl.send import descs
+    from pdxfer.transport.nixl.wire import mem_type, region_rows
 
     with transport.create("nixl-all") as eng:
         region = eng.register(torch.zeros(4096, dtype=torch.uint8))
         rows = np.frombuffer(region_rows([region]), dtype="<i8").reshape(-1, 4)
         assert rows.tolist() == [[region.region_id, region.start, 4096, -1]]
     assert (mem_type(-1), mem_type(0), mem_type(3)) == ("DRAM", "VRAM", "VRAM")
-    descs = NixlConnection._descs(1000, np.array([[5, 7, 9]], np.int64), 1, 3)
-    assert descs.tolist() == [[1007, 9, 3]]
+    assert descs(1000, np.array([[5, 7, 9]], np.int64), 1, 3).tolist() == [[1007, 9, 3]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none on this machine")

@@ -1,10 +1,10 @@
 """The stream contract (`transport.streams`) and the bounce buffers' allocation time.
 
-What runs here without a GPU: the refusals (readiness for host memory), the
-bounded host wait (driven by a stand-in that has exactly the one method it
-uses, `query`), host copies through `CopyStream`, when tcp pins its bounce
-buffers, and a guard that no device-wide synchronise is back on the data
-path. The CUDA halves — a producer on a side stream handing over an event —
+What runs here without a GPU: the refusals (readiness for host memory),
+host copies through `CopyStream`, when tcp pins its bounce buffers, and a
+guard that no device-wide synchronise is back on the data path. (How an
+unready producer waits in its link's post queue is a kit case, driven by a
+stand-in with `query()`: `transport/testing/cases_engine.py`.) The CUDA halves — a producer on a side stream handing over an event —
 run where a GPU is, and skip here with the reason.
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pdxfer.transport import CapabilityError, TransferTimeout
-from pdxfer.transport.streams import CopyStream, capture, host_wait
-from segment_tables import CANARY, assert_landed, random_table
+from pdxfer.transport import CapabilityError
+from pdxfer.transport.streams import CopyStream, capture
+from pdxfer.transport.testing.tables import CANARY, assert_landed, random_table
 
 from pdxfer import transport
 
@@ -31,25 +31,6 @@ def test_host_memory_takes_no_readiness() -> None:
     assert capture(None, "cpu") is None
     with pytest.raises(CapabilityError, match="applies to CUDA memory only"):
         capture(object(), torch.device("cpu"))
-
-
-class _Never:
-    """Stands in for a torch.cuda.Event that is never reached: `host_wait` calls only `query`."""
-
-    def __init__(self) -> None:
-        self.queries = 0
-
-    def query(self) -> bool:
-        self.queries += 1
-        return False
-
-
-def test_host_wait_is_bounded_and_names_the_fix() -> None:
-    never = _Never()
-    with pytest.raises(TransferTimeout, match="record `ready` after the work"):
-        host_wait(never, 0.05, "a write to x")
-    assert never.queries > 1
-    host_wait(None, 0.0, "nothing to wait for")
 
 
 def test_copy_stream_runs_host_copies_now() -> None:
@@ -76,8 +57,8 @@ def _engines(**opts: object) -> tuple[transport.TransportEngine, transport.Trans
 
 
 def _bounces(tx: transport.TransportEngine, rx: transport.TransportEngine) -> list:
-    conn = next(iter(tx._outbound.values()))
-    return [s.bounce for s in conn._streams] + [s._bounce for s in rx._inbound]
+    (conn,) = tx.outbound.links()
+    return [s.bounce for s in conn.streams] + [s.bounce for s in rx.inbound.links()]
 
 
 def test_bounce_buffers_are_allocated_at_connect_and_accept_not_in_a_transfer() -> None:
@@ -117,8 +98,8 @@ def test_registering_cuda_memory_pins_every_stream_at_once() -> None:
         tx.connect(rx.address())
         assert not any(b.allocated for b in _bounces(tx, rx))
         tx.register(torch.zeros(1 << 20, dtype=torch.uint8, device="cuda"))
-        conn = next(iter(tx._outbound.values()))
-        assert all(s.bounce.allocated for s in conn._streams)
+        (conn,) = tx.outbound.links()
+        assert all(s.bounce.allocated for s in conn.streams)
     finally:
         tx.close()
         rx.close()
@@ -149,17 +130,21 @@ def test_a_side_stream_producer_hands_over_an_event(backend: str) -> None:
 
 
 class _Event:
-    """Stands in for the CUDA event `capture` returns: only its identity is looked at here."""
+    """Stands in for the CUDA event `capture` returns: already reached; its identity is what is checked."""
+
+    def query(self) -> bool:
+        return True
 
 
 def test_the_event_captured_in_write_reaches_the_copy_on_the_io_thread(monkeypatch) -> None:
     # The plumbing a GPU needs, on the host: tcp's bounce path (force_bounce)
     # is the CUDA path's code; `capture` is what turns `ready` into an event
     # on the caller's thread, and the copy must wait on exactly that one.
-    from pdxfer.transport import tcp_io, tcp_send
+    from pdxfer.transport import link
+    from pdxfer.transport.tcp import io as tcp_io
 
     event, seen = _Event(), []
-    monkeypatch.setattr(tcp_send, "capture", lambda ready, device: event if ready == "R" else None)
+    monkeypatch.setattr(link, "capture", lambda ready, device: event if ready == "R" else None)
     gather = tcp_io.Bounce.gather
     monkeypatch.setattr(tcp_io.Bounce, "gather", lambda self, src, rows, column, ready=None: (
         seen.append((ready, threading.current_thread().name)), gather(self, src, rows, column))[1])

@@ -10,8 +10,8 @@ import pytest
 import torch
 from pdxfer.transport import TransportError
 from pdxfer.transport.segments import split_rows
-from pdxfer.transport.tcp_io import IOV_MAX, STRIPE_MIN, batches, plan_stripes, recv_all, send_all
-from segment_tables import CANARY, assert_landed, random_table
+from pdxfer.transport.tcp.io import IOV_MAX, STRIPE_MIN, batches, plan_stripes, recv_all, send_all
+from pdxfer.transport.testing.tables import CANARY, assert_landed, random_table
 
 from pdxfer import transport
 
@@ -20,7 +20,7 @@ def test_listens_on_loopback_unless_told_otherwise() -> None:
     with transport.create("tcp") as eng:
         addr = eng.address()
         assert addr["host"] == "127.0.0.1" and addr["port"] > 0 and addr["backend"] == "tcp"
-        assert eng._listener._sock.getsockname()[0] == "127.0.0.1"
+        assert eng.listener.host == "127.0.0.1"
         assert 2 <= eng.streams <= 8
 
 

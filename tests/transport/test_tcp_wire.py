@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from pdxfer.transport import PeerLostError, ProtocolError
-from pdxfer.transport.tcp_wire import (
+from pdxfer.transport.tcp.wire import (
     PROTOCOL,
     VERSION,
     Hello,
@@ -29,8 +29,8 @@ from pdxfer.transport.tcp_wire import (
     StripeEnd,
     Welcome,
 )
+from pdxfer.transport.testing.tables import CANARY
 from pdxfer.transport.wire import LENGTH, ErrorMessage
-from segment_tables import CANARY
 
 from pdxfer import transport
 
@@ -203,7 +203,7 @@ def test_close_reaches_a_stream_still_waiting_for_its_hello() -> None:
     with socket.create_connection((addr["host"], addr["port"]), timeout=30) as sock:
         sock.sendall(LENGTH.pack(10))  # part of a hello: the stream is blocked reading the rest
         deadline = time.monotonic() + 30
-        while eng._listener.pending == 0:  # accepted and counted as pending: state, not a nap
+        while eng.listener.pending == 0:  # accepted and counted as pending: state, not a nap
             assert time.monotonic() < deadline, "the listener never accepted the connection"
             threading.Event().wait(0.01)
         eng.close()

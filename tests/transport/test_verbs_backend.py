@@ -1,8 +1,9 @@
 """The verbs backend over the software fabric: the fence, windows, errors, rails, options.
 
-The conformance suite already runs on "verbs-sim"; these tests pin what is
-verbs-specific and what the fabric exists to catch — a `drop_peer` that
-fences with QP->ERR alone lets a packet in flight land after it returns.
+The conformance kit already runs on "verbs-sim" and "verbs-sim" fence='qp'; these tests pin
+what is verbs-specific and what the fabric exists to catch — a `drop_peer` that fences
+with QP->ERR alone lets a packet in flight land after it returns — and that fence='qp',
+which cannot stop such a packet, refuses `drop_peer` (#25 item 6).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import types
 import numpy as np
 import pytest
 import torch
-from pdxfer.transport import CapabilityError, PeerLostError, TransferTimeout, soft_verbs
-from pdxfer.transport.verbs_api import probe, soft
-from pdxfer.transport.verbs_mem import register_mr
-from pdxfer.transport.verbs_peer import InboundPeer
+from pdxfer.transport import CapabilityError, PeerLostError, TransferTimeout
+from pdxfer.transport.verbs.api import probe
+from pdxfer.transport.verbs.inbound import InboundPeer
+from pdxfer.transport.verbs.mem import register_mr
+from pdxfer.transport.verbs.sim import namespace as soft
+from pdxfer.transport.verbs.sim import verbs as soft_verbs
 
 from pdxfer import transport
 
@@ -32,12 +35,13 @@ HARDWARE = probe()
 
 # -- the fence ----------------------------------------------------------------------
 
-def _bytes_after_drop(monkeypatch: pytest.MonkeyPatch, err_only: bool, fence: str = "mr") -> bool:
+def _bytes_after_drop(monkeypatch: pytest.MonkeyPatch, err_only: bool) -> bool:
     """Whether bytes landed after `drop_peer` returned, with one packet caught mid-flight."""
-    if err_only:  # the broken fence: QP->ERR and destroy, MRs never revoked
-        monkeypatch.setattr(InboundPeer, "_revoke", lambda self: None)
+    if err_only:  # the broken fence: QP->ERR and destroy, the link's MRs never closed
+        monkeypatch.setattr(InboundPeer, "revoke", lambda self: None)
+        monkeypatch.setattr(InboundPeer, "drop_mr", lambda self, region_id: None)
     fab = soft_verbs.fabric()
-    tx, rx = transport.create("verbs-sim"), transport.create("verbs-sim", fence=fence)
+    tx, rx = transport.create("verbs-sim"), transport.create("verbs-sim")
     src = torch.from_numpy(np.random.default_rng(3).integers(1, 256, 4 << 20, dtype=np.uint8))
     dst = np.zeros(4 << 20, np.uint8)
     entered, release, returned = threading.Event(), threading.Event(), threading.Event()
@@ -45,7 +49,7 @@ def _bytes_after_drop(monkeypatch: pytest.MonkeyPatch, err_only: bool, fence: st
     try:
         a, b = tx.register(src), rx.register(torch.from_numpy(dst))
         conn = tx.connect(rx.address())
-        qpn = conn._rails[0].qp.qp_num
+        qpn = conn.qpns[0]
 
         def hold(q: int, key: int) -> None:
             if q == qpn and not entered.is_set():
@@ -89,10 +93,25 @@ def test_a_fence_of_qp_err_alone_is_caught(monkeypatch: pytest.MonkeyPatch) -> N
     assert _bytes_after_drop(monkeypatch, err_only=True), "the fabric let an ERR-only fence pass"
 
 
-def test_fence_qp_mode_is_the_documented_weaker_fence(monkeypatch: pytest.MonkeyPatch) -> None:
-    # fence="qp" shares one MR per region among links: drop_peer is ERR + destroy, and a
-    # packet in flight lands after it returns — what its docstring says, shown here.
-    assert _bytes_after_drop(monkeypatch, err_only=False, fence="qp")
+def test_fence_qp_declares_no_fence_and_drop_peer_refuses() -> None:
+    # #25 item 6: fence="qp" shares one MR per region among links, so a packet in flight
+    # can land after its QP went to ERR (the ERR-only fence above): it declares fence=False
+    # and drop_peer refuses instead of returning as if it had fenced. (It returned before.)
+    tx, rx = transport.create("verbs-sim"), transport.create("verbs-sim", fence="qp")
+    try:
+        assert rx.capabilities.fence is False
+        src = rx.register(torch.zeros(4096, dtype=torch.uint8))
+        a = tx.register(torch.ones(4096, dtype=torch.uint8))
+        conn = tx.connect(rx.address())
+        conn.write(a, src.descriptor(), np.array([[0, 0, 4096]], np.int64)).wait(WAIT)
+        with pytest.raises(CapabilityError, match=r"cannot fence a peer: it was created with "
+                                                  r"fence='qp'.*use fence='mr'"):
+            rx.drop_peer(tx.engine_id)
+        assert rx.has_peer(tx.engine_id)
+        conn.write(a, src.descriptor(), np.array([[0, 0, 4096]], np.int64)).wait(WAIT)  # link intact
+    finally:
+        tx.close()
+        rx.close()
 
 
 # -- the backend over the fabric ----------------------------------------------------
@@ -129,27 +148,27 @@ def test_windows_gather_split_and_signal(link) -> None:
 
 def test_completion_error_is_named_severs_and_reconnect_builds_fresh_qps(link) -> None:
     tx, rx, conn, a, b, src, dst = link
-    old_qpn = conn._rails[0].qp.qp_num
+    old_qpn = conn.qpns[0]
     soft_verbs.fabric().fail_next(old_qpn, int(S.IBV_WC_REM_ACCESS_ERR))
     handle = conn.write(a, b.descriptor(), np.array([[0, 0, 4096]], np.int64))
     with pytest.raises(PeerLostError, match=r"remote access error \(status 10"):
         handle.wait(WAIT)
     assert not conn.alive
     fresh = tx.connect(rx.address())
-    assert fresh is not conn and fresh._rails[0].qp.qp_num != old_qpn
+    assert fresh is not conn and fresh.qpns[0] != old_qpn
     fresh.write(a, b.descriptor(), np.array([[0, 0, 4096]], np.int64)).wait(WAIT)
     assert np.array_equal(dst[:4096], src[:4096])
 
 
 def test_reconnect_after_drop_gets_new_rkeys_and_old_ones_are_dead(link) -> None:
     tx, rx, conn, a, b, src, dst = link
-    old = conn._regions[b.region_id]
+    old = conn.peer_regions[b.region_id].info[1]  # the rkey
     rx.drop_peer(tx.engine_id)
     with pytest.raises(PeerLostError):
         conn.write(a, b.descriptor(), np.array([[0, 0, 64]], np.int64)).wait(WAIT)
     fresh = tx.connect(rx.address())
-    new = fresh._regions[b.region_id]
-    assert new[2] != old[2] and old[2] not in soft_verbs.fabric().mrs
+    new = fresh.peer_regions[b.region_id].info[1]
+    assert new != old and old not in soft_verbs.fabric().mrs
     fresh.write(a, b.descriptor(), np.array([[0, 0, 64]], np.int64)).wait(WAIT)
     assert np.array_equal(dst[:64], src[:64])
 
@@ -164,7 +183,7 @@ def test_rails_stripe_and_notify_waits_for_every_rail() -> None:
         notes: list[bytes] = []
         rx.set_notify_handler(lambda sender, payload: notes.append(payload))
         conn = tx.connect(rx.address())
-        qpns = [r.qp.qp_num for r in conn._rails]
+        qpns = conn.qpns
         assert len(set(qpns)) == 3
         bells = [fab.doorbells[q] for q in qpns]
         fab.pause(qpns[2])  # the last stripe (and its note, which carries the payload) waits
@@ -173,11 +192,11 @@ def test_rails_stripe_and_notify_waits_for_every_rail() -> None:
         try:
             with fab.lock:  # rails 0 and 1 placed every byte and their notes
                 assert fab.lock.wait_for(lambda: not fab.qps[qpns[0]].sq and not fab.qps[qpns[1]].sq, WAIT)
-            (peer,) = list(rx._peers)
+            (peer,) = [p for p in rx.inbound.links() if p.sender]
             deadline = time.monotonic() + WAIT
-            while not peer._partial and time.monotonic() < deadline:
+            while not peer.partial and time.monotonic() < deadline:
                 time.sleep(0.005)  # polling a predicate: the receiver's progress picks the notes up
-            assert peer._partial, "the receiver never collected the first rails' notes"
+            assert peer.partial, "the receiver never collected the first rails' notes"
             with pytest.raises(TransferTimeout):
                 handle.wait(0.05)
             assert notes == [] and not np.array_equal(dst[4 << 20:6 << 20], src.numpy()[4 << 20:6 << 20])
@@ -224,8 +243,8 @@ def test_fence_qp_mode_moves_bytes_and_reconnects() -> None:
         table = np.array([[0, 0, 1 << 19], [1 << 19, (1 << 19) + 64, 1000]], np.int64)
         first = tx.connect(rx.address())
         first.write(a, b.descriptor(), table).wait(WAIT)
-        rx.drop_peer(tx.engine_id)
-        with pytest.raises(PeerLostError):  # the link is gone (and the sender knows it)
+        first.close()  # the receiver fences the link on Bye (its QPs; the shared MR stays)
+        with pytest.raises((PeerLostError, transport.ClosedError)):
             first.write(a, b.descriptor(), table).wait(WAIT)
         dst[:] = 0
         again = tx.connect(rx.address())

@@ -1,7 +1,7 @@
 """The software verbs fabric behaves as an RC NIC where the verbs backend relies on it.
 
-Verbs-level tests drive `soft_verbs` through the same builders the backend
-uses (`verbs_build`), so they read like rdma-core's own tests: two QPs on one
+Verbs-level tests drive the software fabric (`verbs/sim/`) through the same builders the
+backend uses (`verbs/build.py`), so they read like rdma-core's own tests: two QPs on one
 PD, buffers registered by address, WRs posted and completions polled. Those
 that need no fault injection also run on a real device where one is up (the
 `two` fixture's "real" case, skipped elsewhere with the reason), so the first
@@ -16,9 +16,10 @@ import time
 
 import numpy as np
 import pytest
-from pdxfer.transport import soft_verbs
-from pdxfer.transport import verbs_build as build
-from pdxfer.transport.verbs_api import load, pick_port, probe, soft
+from pdxfer.transport.verbs import build
+from pdxfer.transport.verbs.api import load, pick_port, probe
+from pdxfer.transport.verbs.sim import namespace as soft
+from pdxfer.transport.verbs.sim import verbs as soft_verbs
 
 API = soft()
 S = API.E.ibv_wc_status
@@ -68,7 +69,7 @@ class Two:
             raise AssertionError("no completion")
         fab = soft_verbs.fabric()
         with fab.lock:
-            assert fab.lock.wait_for(lambda: cq._state.entries, WAIT), "no completion"
+            assert fab.lock.wait_for(lambda: cq.sim_state.entries, WAIT), "no completion"
         _, (wc,) = cq.poll(1)
         return wc
 
@@ -179,7 +180,7 @@ def test_cq_overrun_puts_the_qp_in_error() -> None:
         t.a.post_send(build.link([t.write(i, 0, i * 64, 64) for i in range(8)]))
         fab = soft_verbs.fabric()
         with fab.lock:
-            assert fab.lock.wait_for(lambda: t.cq_a._state.overrun, WAIT)
+            assert fab.lock.wait_for(lambda: t.cq_a.sim_state.overrun, WAIT)
         assert t.a.qp_state == API.E.ibv_qp_state.IBV_QPS_ERR
     finally:
         t.close()

@@ -1,7 +1,7 @@
 """Honesty of the software fabric against real pyverbs (Debian python3-pyverbs, no device needed).
 
 Two checks, both run with the real library in a subprocess (`pyverbs_prefix`):
-every object `verbs_build` makes reads back the same from real pyverbs as from
+every object `verbs/build.py` makes reads back the same from real pyverbs as from
 the fabric; and every attribute, enum member and constructor keyword the
 backend (`transport/verbs*.py`) uses on a verbs object exists in real pyverbs
 with the same value. Where the package cannot be fetched the tests skip with
@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import pyverbs_prefix
 import verbs_objects
-from pdxfer.transport import soft_verbs
-from pdxfer.transport.verbs_api import soft
+from pdxfer.transport.verbs.sim import namespace as soft
+from pdxfer.transport.verbs.sim import verbs as soft_verbs
 
 HERE = Path(__file__).resolve().parent
-BACKEND = sorted((pyverbs_prefix.ROOT / "transport").glob("verbs*.py"))
+BACKEND = sorted((pyverbs_prefix.ROOT / "transport" / "verbs").glob("*.py"))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_objects_built_by_verbs_build_read_back_the_same(prefix: Path) -> None:
 
 
 def _backend_usage() -> tuple[set[str], list[list], dict[str, set[str]]]:
-    """Attribute names, enum members and constructor keywords used by transport/verbs*.py."""
+    """Attribute names, enum members and constructor keywords used by transport/verbs/*.py."""
     attrs, enums, kwargs = set(), [], {}
     api_names = set(vars(soft()))
     for path in BACKEND:

@@ -15,8 +15,9 @@ import types
 from typing import Any
 
 import numpy as np
-from pdxfer.transport import verbs_build as build
-from pdxfer.transport.verbs_api import load, soft
+from pdxfer.transport.verbs import build
+from pdxfer.transport.verbs.api import load
+from pdxfer.transport.verbs.sim import namespace as soft
 
 GID = "fe80:0000:0000:0000:0000:ffff:7f00:0001"
 

@@ -1,0 +1,362 @@
+"""The control channel a one-sided backend keeps beside its data path, written once on the kit.
+
+A backend whose bytes move without the receiver's CPU (nixl, verbs) still
+needs a small TCP conversation per link: the receiver announces its regions
+(its `Welcome`, and `Regions` in answer to a `Refresh` when a write names a
+region the sender does not know), says when one is `Gone`, acknowledges
+landed transfers (`Acks`), and the sender says `Bye` before it closes. A
+closed control socket is also how a dead peer is noticed at once. The shape
+of all that is the same for every such backend; only the frame classes and
+what a region entry means differ.
+
+Two kit classes carry it:
+
+* `ControlledLink` (a `link.Link`): dials the peer under one deadline
+  (`transport.dial`), keeps the peer's region table (`resolve` answers from
+  it, refreshing once for an unknown region), runs the control reader
+  (acks complete handles through the kit's `acked`, `Gone` drops a region,
+  anything else severs), and on close says `Bye` and waits (bounded) for the
+  peer to fence it and hang up. A backend implements `table(msg)` (its
+  region rows), `regions(msg)` (install a `Regions` answer), and
+  `hang_up_path()` (free the data path: QPs, a peer's agent).
+* `ControlInbound` (an `inbound.InboundLink`): serves one accepted control
+  socket — the capped hello (`listener.read_hello`), the backend's `admit`
+  (build its side of the link, return the `Welcome`), then `Refresh` and
+  `Bye` until the link ends, when it fences itself. Sends (acks, `Gone`,
+  replies) that fail fence the link: a sender that stopped reading is gone.
+  `hand_over(landed)` is the progress thread's one way to pass notes on:
+  the kit's delivery rule, then one `Acks` frame.
+* `LinkRegions`: every inbound control link is given every live region
+  (nixl registers it on the link's agent, verbs makes the link's MR),
+  atomically with a region being registered, and told `Gone` when one is
+  deregistered.
+
+`WIRE` is a module holding the backend's `CONTROL` protocol and its frame
+classes (`Hello`, `Welcome`, `Regions`) beside the shared ones below.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .dial import Dials, dial
+from .errors import ClosedError, PeerLostError, ProtocolError, TransferTimeout, TransportError
+from .inbound import InboundLink, InboundTable
+from .link import Link, LinkContext, Remote
+from .listener import Slot, read_hello
+from .regions import Region, RegionTable
+from .wire import ErrorMessage
+
+log = logging.getLogger(__name__)
+BYE_WAIT = 1.0  # how long close() waits for the peer to fence us and hang up
+# A stalled sender that stops reading its control socket must not stall our
+# progress thread forever in a send of acks.
+SEND_TIMEOUT = 5.0
+
+
+# The frames whose meaning is the same on every control channel; each backend's
+# wire module lists them in its own versioned `Protocol` beside its own.
+@dataclass(frozen=True)
+class Refresh:
+    """A write named a region the sender does not know: send the current table."""
+
+    TYPE: ClassVar[str] = "refresh"
+    query: int
+
+
+@dataclass(frozen=True)
+class Acks:
+    """These transfers' bytes are in the receiver's memory and their notify was delivered."""
+
+    TYPE: ClassVar[str] = "acks"
+    seqs: bytes  # little-endian int64 sequence numbers
+
+
+@dataclass(frozen=True)
+class Gone:
+    """Region `region` was deregistered: stop addressing it."""
+
+    TYPE: ClassVar[str] = "gone"
+    region: int
+
+
+@dataclass(frozen=True)
+class Bye:
+    """The sender closes the link; the receiver fences it and hangs up."""
+
+    TYPE: ClassVar[str] = "bye"
+
+
+def seqs_of(msg: Acks) -> list[int]:
+    """The sequence numbers an `Acks` frame names (`ProtocolError` if ragged)."""
+    if len(msg.seqs) % 8:
+        raise ProtocolError(f"acks of {len(msg.seqs)} B are not whole int64s")
+    return np.frombuffer(msg.seqs, dtype="<i8").tolist()
+
+
+class ControlledLink(Link):
+    """A sender's link with a control socket: dial, the peer's regions, acks, `Bye` on close."""
+
+    WIRE: ClassVar[ModuleType]
+
+    def __init__(self, ctx: LinkContext, dials: Dials, address: dict[str, Any], hello: Any,
+                 backend: str) -> None:
+        host, port, peer = address["host"], address["port"], address["engine"]
+        super().__init__(ctx, peer, f"{backend} engine {peer} at {host}:{port}")
+        self._qids = itertools.count(1)
+        self._queries: dict[int, threading.Event] = {}
+        self._hung_up = False
+        self._reader: threading.Thread | None = None
+        self.peer_regions: dict[int, Any] = {}
+        self.sock, self.welcome = dial(dials, host, port, self.WIRE.CONTROL, hello,
+                                       timeout=ctx.connect_timeout, peer=peer, what=self.what)
+        if not isinstance(self.welcome, self.WIRE.Welcome):
+            self.sock.close()
+            raise ProtocolError(f"expected welcome from {self.what}, got {type(self.welcome).TYPE}")
+
+    def start_reader(self) -> None:
+        """Start the control reader (once the backend finished setting the link up)."""
+        self._reader = threading.Thread(target=self._read, daemon=True,
+                                        name=f"{self.ctx.backend}-out {self.peer}")
+        self._reader.start()
+
+    # -- backend hooks ------------------------------------------------------------
+    def regions(self, msg: Any) -> None:
+        """Install the region table of a `Regions` answer (reader thread)."""
+        raise NotImplementedError
+
+    def hang_up_path(self) -> None:
+        """Free the data path's resources as the link dies (once)."""
+
+    # -- the kit's hooks --------------------------------------------------------------
+    def resolve(self, region_id: int) -> Remote | None:
+        found = self.peer_regions.get(region_id)
+        if found is None:
+            self._refresh()
+            found = self.peer_regions.get(region_id)
+        return found
+
+    def on_sever(self, error: TransportError) -> None:
+        with self.lock:
+            queries = list(self._queries.values())
+        for done in queries:
+            done.set()
+        if not isinstance(error, ClosedError):
+            self._hang_up()
+
+    def finish(self) -> None:
+        """Close's second half: say `Bye`, let the peer fence us (bounded), then hang up."""
+        if self._hung_up:
+            return
+        try:  # the peer fences us on Bye and hangs up; its hang-up ends our reader
+            self.WIRE.CONTROL.send(self.sock, Bye())
+        except (TransportError, OSError):
+            pass
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(BYE_WAIT)
+        self._hang_up()
+
+    # -- the control conversation --------------------------------------------------------
+    def _refresh(self) -> None:
+        query, done = next(self._qids), threading.Event()
+        with self.lock:
+            if self.error is not None:
+                raise self.error
+            self._queries[query] = done
+        try:
+            self.WIRE.CONTROL.send(self.sock, Refresh(query))
+            timeout = self.ctx.connect_timeout
+            if not done.wait(timeout):
+                raise TransferTimeout(
+                    f"{self.what} did not answer a region refresh in {timeout} s; "
+                    "it is stalled — drop it or retry")
+        finally:
+            with self.lock:
+                self._queries.pop(query, None)
+        if self.error is not None:
+            raise self.error
+
+    def _read(self) -> None:
+        w = self.WIRE
+        try:
+            while True:
+                msg = w.CONTROL.recv(self.sock)
+                if isinstance(msg, Acks):
+                    self.acked(seqs_of(msg))  # an ack for a write refused meanwhile is harmless
+                elif isinstance(msg, w.Regions):
+                    self.regions(msg)
+                    with self.lock:
+                        done = self._queries.get(msg.query)
+                    if done is not None:
+                        done.set()
+                elif isinstance(msg, Gone):
+                    self.peer_regions = {k: v for k, v in self.peer_regions.items() if k != msg.region}
+                elif isinstance(msg, ErrorMessage):
+                    raise ProtocolError(f"{self.what} hung up: {msg.reason}")
+                else:
+                    raise ProtocolError(f"unexpected {type(msg).TYPE} from {self.what}")
+        except PeerLostError as exc:
+            self.sever(PeerLostError(
+                f"{self.what} closed the link (it died, closed, or dropped us): {exc}"))
+        except TransportError as exc:
+            self.sever(exc)
+
+    def _hang_up(self) -> None:
+        with self.lock:
+            if self._hung_up:
+                return
+            self._hung_up = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.hang_up_path()
+
+
+class ControlInbound(InboundLink):
+    """One accepted control socket: hello, the backend's admission, then `Refresh`/`Bye` until it ends."""
+
+    WIRE: ClassVar[ModuleType]
+
+    def __init__(self, table: InboundTable, sock: socket.socket, where: str, slot: Slot) -> None:
+        super().__init__(table, f"{where}")
+        self.sock = sock
+        self.slot = slot  # our place in the listener's pre-handshake budget
+        self.send_lock = threading.Lock()
+
+    # -- backend hooks ------------------------------------------------------------
+    def admit(self, hello: Any) -> Any:
+        """Build this side of the link for `hello`'s sender (call `identify`); its `Welcome`."""
+        raise NotImplementedError
+
+    def regions_reply(self, query: int) -> Any:
+        """The `Regions` answer to a `Refresh`."""
+        raise NotImplementedError
+
+    def stop_path(self) -> None:
+        """Stop the data path: return once no byte of this link can land (the fence's core)."""
+
+    def add_region(self, region: Region) -> None:
+        """Give this link's sender `region` (its registration on the link's data path)."""
+        raise NotImplementedError
+
+    def region_gone(self, region_id: int) -> None:
+        """Region `region_id` was deregistered (its registrations closed): tell the sender."""
+        self.send(Gone(region_id))
+
+    # -- the link's thread ----------------------------------------------------------------
+    def run(self) -> None:
+        w = self.WIRE
+        try:
+            hello = read_hello(self.sock, w.CONTROL, w.Hello)
+            welcome = self.admit(hello)
+            # The reader blocks until the peer talks or hangs up; sends (acks, from a
+            # progress thread) give up after SEND_TIMEOUT instead.
+            self.sock.settimeout(None)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                 struct.pack("ll", int(SEND_TIMEOUT), 0))
+            self._send(welcome)
+            self.slot.admitted()
+            while not self.dead:
+                msg = w.CONTROL.recv(self.sock)
+                if isinstance(msg, Refresh):
+                    self._send(self.regions_reply(msg.query))
+                elif isinstance(msg, Bye):
+                    break
+                else:
+                    raise ProtocolError(f"unexpected {type(msg).TYPE} from sender {self.sender}")
+        except (TransportError, OSError) as exc:
+            if not self.dead and not isinstance(exc, PeerLostError):
+                log.warning("%s link from %s (%s) dropped: %s", self.table.name, self.sender,
+                            self.where, exc)
+                try:
+                    self._send(ErrorMessage(reason=str(exc)))
+                except (TransportError, OSError):
+                    pass
+        except Exception:  # a backend failure while admitting: the link is unusable
+            log.exception("%s link from %s (%s) failed", self.table.name, self.sender, self.where)
+        self.slot.admitted()
+        self.fence()
+
+    # -- what the receiver says ------------------------------------------------------------
+    def hand_over(self, landed: list[tuple[int, bytes | None]]) -> None:
+        """Deliver landed transfers' notifies (the kit's rule), then acknowledge them in one frame."""
+        if self.deliver(payload for _, payload in landed):
+            self.ack([seq for seq, _ in landed])
+
+    def ack(self, seqs: list[int]) -> None:
+        """Tell the sender these transfers landed (after their notify was delivered)."""
+        if seqs:
+            self.send(Acks(np.asarray(seqs, dtype="<i8").tobytes()))
+
+    def send(self, msg: Any) -> None:
+        """Best effort: a send that fails means the sender is gone, and the link is fenced."""
+        if self.dead:
+            return
+        try:
+            self._send(msg)
+        except (TransportError, OSError) as exc:
+            log.warning("%s: link from %s lost while sending %s: %s",
+                        self.table.name, self.sender, type(msg).TYPE, exc)
+            self.fence()
+
+    def _send(self, msg: Any) -> None:
+        with self.send_lock:
+            self.WIRE.CONTROL.send(self.sock, msg)
+
+    def cut(self) -> None:
+        self.stop_path()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class LinkRegions:
+    """Every live region, given to every inbound control link of one engine, atomically.
+
+    A region registered while a link is being admitted must reach it either
+    way: `registered` and `admit` hold one lock, so a new link gets every
+    region `live()` lists and every later one.
+    """
+
+    def __init__(self, regions: RegionTable, inbound: InboundTable, kind: type[ControlInbound]) -> None:
+        self._regions, self._inbound, self._kind = regions, inbound, kind
+        self._lock = threading.Lock()
+
+    def links(self) -> list[ControlInbound]:
+        """The live, identified inbound links of this engine's kind."""
+        return [link for link in self._inbound.links()
+                if isinstance(link, self._kind) and not link.dead and link.sender is not None]
+
+    def registered(self, region: Region) -> None:
+        """A region was registered: give it to every link."""
+        with self._lock:
+            for link in self.links():
+                link.add_region(region)
+
+    def admit(self, link: ControlInbound) -> list[Region]:
+        """A new link: give it every live region; those regions."""
+        with self._lock:
+            regions = self._regions.live()
+            for region in regions:
+                link.add_region(region)
+        return regions
+
+    def deregistered(self, region: Region) -> None:
+        """A region was deregistered (its registrations closed): tell every link."""
+        for link in self.links():
+            link.region_gone(region.region_id)
+

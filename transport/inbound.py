@@ -1,0 +1,223 @@
+"""The receiving side's bookkeeping, once for every backend: inbound links, the fence, notify delivery.
+
+An `InboundLink` is one incarnation of one sender's link into this engine —
+a tcp stream, a nixl serving agent with its control socket, a verbs link's
+QPs, a loopback connection seen from its target. It carries the two rules
+every backend must keep and, before the kit, each kept in its own copy:
+
+* **the fence.** `fence()` returns only when no byte of this link can land
+  in our memory any more and no notify of it is running or can start —
+  except one whose handler itself called `drop_peer`/`close` (the guard is
+  re-entrant for exactly that). The backend's `cut()` stops the data path
+  (shut the socket down, destroy the agent, QPs to ERR and MRs closed) and
+  must itself return only when nothing of it lands any more; the kit then
+  waits out `guard`.
+* **notify delivery.** `deliver()` hands a payload to the engine's handler
+  under `guard` and only while the link is not fenced: so no notify starts
+  after `drop_peer` returns. A backend that lands bytes on our CPU (tcp,
+  loopback) holds the same `guard` while it does, so the fence waits out a
+  landing in progress too.
+
+`InboundTable` is the engine's set of them: links still in their handshake
+(so `close()` reaches them), the `has_peer` answer, `drop_peer`'s fence of
+every link of one sender, and the threads to join at close.
+
+Seam for #25.1 (proving, on a link that cannot fence, that no byte of it can
+still arrive): a link's `settled` event is set once its data path has ended
+— fenced, or ended by the peer in a way that leaves nothing in flight
+(tcp: every stream of the incarnation read EOF; nixl: the sender's `Bye`
+after its last ack, then the agent destroyed; verbs: the QPs flushed and
+destroyed; loopback: the link severed). `incarnations(sender)` answers, per
+incarnation, whether every link of it has settled: where a no-fence
+quarantine can be ended on proof rather than on the sender's word.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from .errors import PeerLostError
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT = 2.0
+
+
+class InboundLink:
+    """One incarnation of one sender's link into this engine: its fence and its notify delivery.
+
+    Backends subclass it: `cut()` stops the data path, `start()`/`thread`
+    run the link's own thread if it has one. `identify(sender, incarnation)`
+    once the handshake named the sender.
+    """
+
+    def __init__(self, table: InboundTable, where: str) -> None:
+        self.table = table
+        self.where = where
+        self.sender: str | None = None
+        self.incarnation: str | None = None
+        # Held while a byte of this link lands on our CPU or one of its notifies is handed over.
+        self.guard = threading.RLock()
+        self.dead = False  # fenced or ended: nothing of it lands, no notify of it starts
+        self.settled = threading.Event()  # its data path has ended: nothing of it can arrive
+        self.thread: threading.Thread | None = None
+
+    # -- identity -------------------------------------------------------------
+    def identify(self, sender: str, incarnation: str) -> None:
+        """The handshake named the sender; `PeerLostError` if the engine is closing."""
+        self.sender, self.incarnation = sender, incarnation
+        self.table.admit(self)
+
+    # -- notify delivery ------------------------------------------------------
+    def deliver(self, payloads: Iterable[bytes | None]) -> bool:
+        """Hand each payload to the handler, in order, unless the link is fenced; False if it was.
+
+        Payloads that are None (a transfer without notify) are skipped. Checked
+        per payload: a handler earlier in the batch may have fenced the link.
+        """
+        with self.guard:
+            for payload in payloads:
+                if self.dead:
+                    return False
+                if payload is not None and self.sender is not None:
+                    self.table.notify(self.sender, payload)
+            return not self.dead
+
+    # -- the fence ------------------------------------------------------------
+    def fence(self) -> None:
+        """Stop this link for good: after return, no byte of it lands and no notify of it starts."""
+        self.dead = True
+        self.cut()
+        with self.guard:  # waits out a landing or a notify in progress (re-entrant)
+            pass
+        self.settled.set()
+        self.table.forget(self)
+
+    def ended(self) -> None:
+        """The link's data path ended on its own (EOF, Bye): forget it, as a fence would."""
+        self.dead = True
+        with self.guard:
+            pass
+        self.settled.set()
+        self.table.forget(self)
+
+    def cut(self) -> None:
+        """Stop the data path; return once no byte of this link can land (backends)."""
+
+    # -- the thread -------------------------------------------------------------
+    def start(self, target: Callable[[], None], name: str) -> bool:
+        """Run `target` on this link's thread (joined by the engine's close); False if closing."""
+        self.thread = threading.Thread(target=target, name=name, daemon=True)
+        if not self.table.started(self):
+            return False
+        self.thread.start()
+        return True
+
+    def join(self, timeout: float) -> None:
+        """Wait (bounded) for the link's thread; never from that thread itself."""
+        thread = self.thread
+        if thread is not None and thread.ident is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        thread = self.thread
+        return thread is not None and (thread.ident is None or thread.is_alive())
+
+
+class InboundTable:
+    """One engine's inbound links: admission, `has_peer`, the fence by sender, close and joins.
+
+    `notify(sender, payload)` is the engine's delivery to its handler (it
+    swallows the handler's exceptions).
+    """
+
+    def __init__(self, name: str, notify: Callable[[str, bytes], None]) -> None:
+        self.name = name
+        self.notify = notify
+        self._lock = threading.Lock()
+        self._links: set[InboundLink] = set()
+        self._threads: set[InboundLink] = set()  # links whose thread may still run
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def track(self, link: InboundLink) -> bool:
+        """Count a just-accepted link (before its handshake) so close() reaches it; False if closing."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._links.add(link)
+        return True
+
+    def admit(self, link: InboundLink) -> None:
+        """A link finished its handshake; `PeerLostError` if the engine is closing."""
+        with self._lock:
+            if self._closed:
+                raise PeerLostError(f"{self.name} engine is closing")
+            self._links.add(link)
+
+    def started(self, link: InboundLink) -> bool:
+        """Record that `link` runs a thread; False (do not start it) if closing."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._threads = {t for t in self._threads if t.running}
+            self._threads.add(link)
+        return True
+
+    def forget(self, link: InboundLink) -> None:
+        with self._lock:
+            self._links.discard(link)
+
+    def of(self, sender: str) -> list[InboundLink]:
+        """The live links `sender` has into this engine."""
+        with self._lock:
+            return [link for link in self._links if link.sender == sender and not link.dead]
+
+    def links(self) -> list[InboundLink]:
+        """Every tracked link (identified or still in its handshake)."""
+        with self._lock:
+            return list(self._links)
+
+    def has_peer(self, sender: str) -> bool:
+        """Whether a link from `sender` is still open (its bytes may still land)."""
+        return bool(self.of(sender))
+
+    def incarnations(self, sender: str) -> dict[str, bool]:
+        """Per link incarnation of `sender` we still track: whether every link of it has settled.
+
+        An incarnation no longer listed has ended entirely (every link of it
+        settled and was forgotten).
+        """
+        out: dict[str, bool] = {}
+        with self._lock:
+            for link in self._links:
+                if link.sender == sender and link.incarnation is not None:
+                    out[link.incarnation] = out.get(link.incarnation, True) and link.settled.is_set()
+        return out
+
+    def fence(self, sender: str) -> None:
+        """Fence every link of `sender` (drop_peer)."""
+        for link in self.of(sender):
+            link.fence()
+
+    def close(self) -> None:
+        """Refuse new links and fence every tracked one (engine close). Idempotent."""
+        with self._lock:
+            self._closed = True
+            links = list(self._links)
+        for link in links:
+            link.fence()
+
+    def join(self, timeout: float = JOIN_TIMEOUT) -> None:
+        """Join every link thread started (after `close`)."""
+        with self._lock:
+            threads = list(self._threads)
+        for link in threads:
+            link.join(timeout)
+

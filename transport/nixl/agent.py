@@ -1,0 +1,252 @@
+"""The nixl backend's edge with NIXL itself: agents, the UCX transport policy, errors translated.
+
+The one module that imports `nixl_cu12`. Importing it configures its "nixl"
+logger to print INFO lines on *stdout* (a process's protocol channel: our
+peer processes speak on it) and turns off `logging.raiseExceptions` for the
+whole process; both are undone here. `make_agent` is the one place that
+configures a NIXL agent, `translate` the one place a NIXL exception becomes
+ours, and `Initiator` the engine's one initiating agent behind its lock.
+
+The tls policy. UCX transport lists under which only our own progress calls
+write into our memory (`FENCEABLE_TLS`: just "tcp") let `drop_peer` fence;
+UCX's full list (`FULL_TLS`, "all": cma, cuda_copy/cuda_ipc, rc/dc) moves
+VRAM but writes without our progress, so cannot. `check_tls` refuses a list
+NIXL would cut at its first comma.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import struct
+import threading
+from typing import Any
+
+from ..errors import CapabilityError, ClosedError, PeerLostError, RegistrationError, TransportError
+
+_raise_exceptions = logging.raiseExceptions
+from nixl_cu12 import _bindings as nixl_bindings  # noqa: E402
+from nixl_cu12 import nixl_agent, nixl_agent_config  # noqa: E402
+
+logging.raiseExceptions = _raise_exceptions
+_nixl_log = logging.getLogger("nixl")
+for _handler in list(_nixl_log.handlers):
+    _nixl_log.removeHandler(_handler)
+_nixl_log.propagate = True
+_nixl_log.setLevel(logging.WARNING)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FENCEABLE_TLS", "FULL_TLS", "Initiator", "check_tls", "cuda_tls", "interface_of",
+           "make_agent", "nixl_agent", "nixl_agent_config", "translate"]
+
+# UCX transport lists under which only our own progress calls write into our
+# memory, so drop_peer can fence (see nixl/__init__.py).
+FENCEABLE_TLS = frozenset({"tcp"})
+# `tls` for UCX's full list (its own default, "all"): cma/sysv/posix shared
+# memory, cuda_copy and cuda_ipc for VRAM, rc/dc/ud where a NIC exists.
+FULL_TLS = "all"
+
+
+def cuda_tls(tls: str) -> bool:
+    """Whether UCX transport `tls` can move VRAM: the full list, or a cuda/RDMA transport."""
+    return tls == FULL_TLS or tls.startswith("cuda") or tls in ("gdr_copy", "rc", "dc")
+
+
+def check_tls(tls: Any) -> str:
+    """`tls` if NIXL can pass it to UCX whole; `CapabilityError` for a list.
+
+    NIXL's UCX `engine_config` is itself a comma-separated `KEY=VALUE` list,
+    so `TLS=tcp,cma` reaches UCX as `TLS=tcp`: the rest is dropped without a
+    word (measured: `tls="tcp,bogus"` starts). Refuse what would be cut.
+    Deletion condition: a NIXL release that escapes or quotes values there.
+    """
+    if not isinstance(tls, str) or not tls or "," in tls:
+        raise CapabilityError(
+            f"nixl tls={tls!r}: NIXL cuts a UCX transport list at its first comma; name one "
+            f"transport ('tcp': fenceable) or {FULL_TLS!r} for UCX's full list"
+        )
+    return tls
+
+
+def _route_ucx_log() -> None:
+    """Send UCX's own log lines to stderr, never to stdout (a worker's protocol channel).
+
+    UCX reads its global log options once, from the environment, when
+    libucs loads — at the first UCX backend this process creates, i.e. in
+    `make_agent` — and they cannot be passed as a backend parameter. So this
+    is the one place the library writes to `os.environ`, and only
+    `UCX_LOG_FILE`, and only when it is unset or `stdout`: anyone who chose a
+    file keeps it.
+    """
+    if os.environ.get("UCX_LOG_FILE", "stdout") in ("", "stdout"):
+        os.environ["UCX_LOG_FILE"] = "stderr"
+
+
+def interface_of(host: str) -> str | None:
+    """The network interface holding address `host`, or None (a wildcard, or not found).
+
+    UCX's tcp transport listens on every interface it is allowed; limiting it
+    (`NET_DEVICES`) to the interface of the host we were given keeps a
+    loopback-only engine off the cluster network.
+    """
+    if host in ("", "0.0.0.0", "::"):
+        return None
+    try:
+        wanted = {ipaddress.ip_address(info[4][0].split("%")[0])
+                  for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, ValueError):
+        return None
+    for _, name in socket.if_nameindex():
+        if any(ip.is_loopback for ip in wanted) and _addresses(name) & {
+                ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}:
+            return name
+        if _addresses(name) & wanted:
+            return name
+    return None
+
+
+def _addresses(name: str) -> set[Any]:
+    """The IPv4 address (ioctl SIOCGIFADDR) and IPv6 addresses (/proc) of interface `name`."""
+    out: set[Any] = set()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            out.add(ipaddress.ip_address(raw[20:24]))
+        except OSError:
+            pass
+    try:
+        with open("/proc/net/if_inet6") as f:
+            for line in f:
+                cols = line.split()
+                if len(cols) == 6 and cols[5] == name:
+                    out.add(ipaddress.ip_address(int(cols[0], 16)))
+    except OSError:
+        pass
+    return out
+
+
+def make_agent(name: str, tls: str, device: str | None = None) -> nixl_agent:
+    """A NIXL agent with one UCX backend restricted to transports `tls`, and no threads of its own.
+
+    No NIXL progress thread and no listener thread: our progress thread is
+    the only caller that makes UCX progress, which is what lets `drop_peer`
+    stop a peer's bytes. The UCX transport list and, when given, the one
+    network interface UCX may use (`device`, as UCX's `NET_DEVICES`) go in
+    as backend parameters, never through the environment: another library
+    in the process may use UCX differently. Only UCX's log destination must
+    be set through it (`_route_ucx_log`).
+    """
+    _route_ucx_log()
+    engine_config = f"TLS={tls}" + (f",NET_DEVICES={device}" if device else "")
+    config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
+    try:
+        agent = nixl_agent(name, config)
+        agent.create_backend("UCX", {"engine_config": engine_config, "ucx_error_handling_mode": "peer"})
+    except Exception as exc:
+        raise TransportError(
+            f"cannot start a NIXL agent with UCX transports {tls!r}"
+            + (f" on interface {device!r}" if device else "") + f": {exc}; "
+            "check the tls option (e.g. 'tcp') and that nixl-cu12 bundles UCX"
+        ) from exc
+    return agent
+
+
+def translate(exc: BaseException, what: str) -> TransportError:
+    """Our error for a NIXL exception raised while doing `what` (raise it `from exc`)."""
+    if isinstance(exc, TransportError):
+        return exc
+    if isinstance(exc, nixl_bindings.nixlRemoteDisconnectError):
+        return PeerLostError(f"{what}: the peer disconnected ({exc})")
+    if isinstance(exc, nixl_bindings.nixlNotFoundError):
+        return RegistrationError(
+            f"{what}: NIXL does not know the memory named ({exc}); "
+            "register the buffer, or reconnect to refresh the peer's metadata"
+        )
+    return TransportError(f"{what} failed in NIXL: {type(exc).__name__}: {exc}")
+
+
+class Registration:
+    """One NIXL registration of a region on one agent: a region's child (`resources.Resource`)."""
+
+    def __init__(self, owner: Any, handle: Any, region_id: int) -> None:
+        self._owner, self._handle, self._region_id = owner, handle, region_id
+
+    def close(self) -> None:
+        self._owner.unregister(self._handle, self._region_id)
+
+
+class Initiator:
+    """The engine's one initiating agent: it registers every region and posts every write.
+
+    Every NIXL call on it holds `lock`; `agent` is None once the engine
+    closed. Callers on a write's path never take the lock — posting is the
+    progress thread's (`requests.Requests`).
+    """
+
+    def __init__(self, name: str, tls: str, device: str | None) -> None:
+        self.lock = threading.Lock()
+        self.agent: Any = make_agent(name, tls, device)
+        self._handles: dict[int, Any] = {}  # region id -> registration, deregistered at close
+
+    def register(self, region: Any) -> Registration:
+        """Register a region's memory on this agent (its child under key "initiator")."""
+        with self.lock:
+            if self.agent is None:
+                raise ClosedError("the nixl engine is closed")
+            try:
+                handle = self.agent.register_memory(region.data)
+            except Exception as exc:
+                raise translate(exc, f"registering {region.length} B with NIXL") from exc
+            self._handles[region.region_id] = handle
+        return Registration(self, handle, region.region_id)
+
+    def unregister(self, handle: Any, region_id: int) -> None:
+        with self.lock:
+            if self.agent is None or self._handles.pop(region_id, None) is None:
+                return
+            try:
+                self.agent.deregister_memory(handle)
+            except Exception:
+                log.exception("nixl: deregistering region %d failed", region_id)
+
+    def load_metadata(self, metadata: bytes, expected: str) -> str:
+        """Load a peer agent's metadata; its name must be `expected`."""
+        with self.lock:
+            if self.agent is None:
+                raise ClosedError("the nixl engine is closed")
+            try:
+                name = self.agent.add_remote_agent(metadata)
+            except Exception as exc:
+                raise translate(exc, "loading the peer's NIXL metadata") from exc
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != expected:
+            raise RegistrationError(f"peer metadata is for agent {name!r}, expected {expected!r}")
+        return name
+
+    def forget(self, agent_name: str) -> None:
+        """Forget a dead link's peer agent (lock taken here)."""
+        with self.lock:
+            if self.agent is None:
+                return
+            try:
+                self.agent.remove_remote_agent(agent_name)
+            except Exception as exc:
+                log.debug("nixl: removing agent %s: %s", agent_name, exc)
+
+    def close(self, before: Any = None) -> None:
+        """Deregister what is left, run `before()` (lock held), and let the agent go: its UCX worker ends."""
+        with self.lock:
+            if before is not None:
+                before()
+            for region_id, handle in self._handles.items():
+                try:
+                    self.agent.deregister_memory(handle)
+                except Exception:
+                    log.debug("nixl: deregistering region %d at close failed", region_id)
+            self._handles.clear()
+            agent, self.agent = self.agent, None
+            del agent  # the last reference: the NIXL agent and its UCX worker go now

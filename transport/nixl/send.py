@@ -1,0 +1,111 @@
+"""The sending side of one nixl link: the peer's agent and regions, writes as NIXL descriptors.
+
+A `NixlLink` is the kit's `ControlledLink` (`transport.control`): dialed
+under one deadline, its `Welcome` carries the metadata of the agent the peer
+created for this link alone (why: `inbound.py`), loaded into the engine's
+initiating agent. The peer's regions arrive with it as `(region, address,
+length, gpu)` rows: a write names a region by its descriptor and the
+address comes from this table, so an edited descriptor cannot aim NIXL at
+memory the peer never announced.
+
+A write is one NIXL transfer: `plan` builds both descriptor lists by array
+arithmetic from the checked table (no loop per row, off the lock), and
+`submit` hands them to the progress thread's queue (`requests.Requests`),
+which makes the NIXL calls. The handle completes when the peer's `Acks` name
+it — after its bytes landed and its notify ran — and fails when the link
+dies (control socket closed: the peer died, closed or fenced us) or NIXL
+reports the transfer broken (`post_refused`).
+
+A region registered by the peer after we connected is unknown here until a
+`Refresh` round trip, which a write naming it triggers once (the kit's
+`resolve`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pdxfer.transport.nixl.wire as nixl_wire  # absolute: `from . import` depends on nixl/__init__
+
+from ..control import ControlledLink
+from ..copying import coalesce_posted
+from ..dial import Dials
+from ..errors import PeerLostError, TransportError
+from ..link import LinkContext, Remote
+from ..posting import Post
+from ..regions import Region
+from .agent import Initiator
+from .requests import Requests
+from .wire import Hello, Regions, gpu_of, ints, mem_type, pack_note
+
+
+def _table(data: bytes) -> dict[int, Remote]:
+    rows = ints(data, 4, "region list")
+    return {int(r): Remote(int(n), (int(a), int(g))) for r, a, n, g in rows.tolist()}
+
+
+class NixlLink(ControlledLink):
+    """A link to one peer engine: control socket, the peer's regions, transfers awaiting acks."""
+
+    WIRE = nixl_wire
+
+    def __init__(self, ctx: LinkContext, dials: Dials, address: dict[str, Any],
+                 initiator: Initiator, requests: Requests, kick: Callable[[], None]) -> None:
+        super().__init__(ctx, dials, address, Hello(ctx.engine_id), "nixl")
+        self._initiator = initiator
+        self._requests = requests
+        self._kick = kick
+        try:
+            self.agent = initiator.load_metadata(self.welcome.metadata, self.welcome.agent)
+            self.peer_regions = _table(self.welcome.regions)
+        except BaseException:
+            self.sock.close()
+            raise
+        self.start_reader()
+
+    # -- the kit's hooks --------------------------------------------------------------
+    def plan(self, src: Region, dst: Remote, table: np.ndarray) -> Any:
+        if not table.shape[0]:
+            return None
+        table = coalesce_posted(table)
+        base, dst_gpu = dst.info
+        src_gpu = gpu_of(src)
+        return (descs(src.start, table, 0, src_gpu), descs(base, table, 1, dst_gpu),
+                (mem_type(src_gpu), mem_type(dst_gpu)))
+
+    def submit(self, post: Post) -> None:
+        note = pack_note(post.seq, post.notify)
+        if post.table is None:
+            self._requests.queue(self, post.seq, None, None, note, ("DRAM", "DRAM"))
+        else:
+            local, remote, mems = post.table
+            self._requests.queue(self, post.seq, local, remote, note, mems)
+        self._kick()
+
+    def regions(self, msg: Regions) -> None:
+        self.agent = self._initiator.load_metadata(msg.metadata, self.agent)
+        self.peer_regions = _table(msg.regions)
+
+    def hang_up_path(self) -> None:
+        """Cancel this link's requests and forget the peer's agent."""
+        with self._initiator.lock:
+            self._requests.drop(self)
+        self._initiator.forget(self.agent)
+
+    def post_refused(self, seq: int, error: TransportError) -> None:
+        """NIXL would not post write `seq` (progress thread): it fails, and the link if broken."""
+        if isinstance(error, PeerLostError):
+            self.sever(error)
+        else:
+            self.refused(seq, error)
+
+
+def descs(base: int, table: np.ndarray, col: int, gpu: int) -> np.ndarray:
+    """NIXL's `(address, length, device)` rows for one side of `table`, by array arithmetic."""
+    out = np.zeros((table.shape[0], 3), dtype=np.uint64)
+    out[:, 0] = table[:, col] + base
+    out[:, 1] = table[:, 2]
+    out[:, 2] = max(gpu, 0)  # host rows name device 0, as NIXL's own DRAM descriptors do
+    return out

@@ -1,0 +1,344 @@
+"""A software verbs fabric with pyverbs' surface: the classes the verbs backend uses, no more.
+
+`api.load()` returns real pyverbs and `sim.namespace()` this module under
+the same names, so the backend runs unchanged on an RDMA NIC and, in every
+test run, on `nic.Fabric` — a NIC thread in this process. The surface is
+exactly what `transport/verbs/*.py` touches (tests/transport/
+test_verbs_pyverbs.py checks every such attribute exists on the real classes
+and that objects built by `build.py` read back the same on both).
+
+Strictness follows the strictest supported pyverbs (rdma-core 44): a RecvWR
+needs at least one SGE, `SendWR.sg_list` cannot be read back,
+`send_flags` defaults to SIGNALED and `sq_sig_all` to 1, and a QP outside RTS
+refuses `post_send` with EINVAL. WR fields are copied when posted, as a WQE
+is; the linked list is walked through `next_wr` at `post_send`.
+
+Deliberately absent: devices other than `soft0`, CompChannel, MW, SRQ,
+extended QPs. `DmaBufMR` always fails with EOPNOTSUPP (no GPU here).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import types
+from typing import Any
+
+import pdxfer.transport.verbs.sim.nic as nic  # absolute: `from . import` would depend on sim/__init__
+
+
+class PyverbsError(Exception):
+    """Mirror of pyverbs.pyverbs_error.PyverbsError."""
+
+
+class PyverbsRDMAError(PyverbsError):
+    """Mirror of pyverbs.pyverbs_error.PyverbsRDMAError: a message and an errno."""
+
+    def __init__(self, msg: str, error_code: int = -1) -> None:
+        self.error_code = error_code
+        super().__init__(f"{msg}. Errno: {error_code}, {errno.errorcode.get(error_code, '')}")
+
+
+class _E(types.SimpleNamespace):
+    pass
+
+
+E = _E(
+    ibv_wr_opcode=enum.IntEnum("ibv_wr_opcode", {"IBV_WR_RDMA_WRITE": 0, "IBV_WR_SEND": 2}),
+    ibv_qp_type=enum.IntEnum("ibv_qp_type", {"IBV_QPT_RC": 2}),
+    ibv_access_flags=enum.IntFlag("ibv_access_flags", {"IBV_ACCESS_LOCAL_WRITE": 1,
+                                                       "IBV_ACCESS_REMOTE_WRITE": 2}),
+    ibv_send_flags=enum.IntFlag("ibv_send_flags", {"IBV_SEND_SIGNALED": 2}),
+    ibv_qp_state=enum.IntEnum("ibv_qp_state", {"IBV_QPS_RESET": 0, "IBV_QPS_INIT": 1, "IBV_QPS_RTR": 2,
+                                               "IBV_QPS_RTS": 3, "IBV_QPS_ERR": 6}),
+    ibv_qp_attr_mask=enum.IntFlag("ibv_qp_attr_mask", {"IBV_QP_STATE": 1}),
+    ibv_port_state=enum.IntEnum("ibv_port_state", {"IBV_PORT_DOWN": 1, "IBV_PORT_ACTIVE": 4}),
+    ibv_mtu=enum.IntEnum("ibv_mtu", {"IBV_MTU_1024": 3, "IBV_MTU_4096": 5}),
+    ibv_wc_opcode=enum.IntEnum("ibv_wc_opcode", {"IBV_WC_SEND": 0, "IBV_WC_RDMA_WRITE": 1,
+                                                 "IBV_WC_RECV": 128}),
+    ibv_wc_status=enum.IntEnum("ibv_wc_status", {
+        "IBV_WC_SUCCESS": 0, "IBV_WC_LOC_LEN_ERR": 1, "IBV_WC_LOC_PROT_ERR": 4,
+        "IBV_WC_WR_FLUSH_ERR": 5, "IBV_WC_REM_INV_REQ_ERR": 9, "IBV_WC_REM_ACCESS_ERR": 10,
+        "IBV_WC_RETRY_EXC_ERR": 12, "IBV_WC_RNR_RETRY_EXC_ERR": 13}),
+    ibv_gid_type_sysfs=enum.IntEnum("ibv_gid_type_sysfs", {"IBV_GID_TYPE_SYSFS_IB_ROCE_V1": 0,
+                                                           "IBV_GID_TYPE_SYSFS_ROCE_V2": 1}),
+    IBV_LINK_LAYER_INFINIBAND=1,
+    IBV_LINK_LAYER_ETHERNET=2,
+)
+_STATUS_TEXT = {0: "success", 1: "local length error", 4: "local protection error",
+                5: "Work Request Flushed Error", 9: "invalid request error",
+                10: "remote access error", 12: "retry exceeded error",
+                13: "RNR retry counter exceeded"}
+
+
+def cqe_status_to_str(status: int) -> str:
+    """As pyverbs.cq.cqe_status_to_str."""
+    return _STATUS_TEXT.get(int(status), f"unknown status {status}")
+
+
+def fabric() -> nic.Fabric:
+    """The fabric the soft devices of this process sit on (for fault injection in tests)."""
+    return nic.default_fabric()
+
+
+class _Attrs:
+    """A plain attribute bag with the defaults pyverbs gives an unset field."""
+
+    _defaults: dict[str, Any] = {}
+
+    def __init__(self, **kw: Any) -> None:
+        for k, v in {**self._defaults, **kw}.items():
+            if k not in self._defaults:
+                raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument '{k}'")
+            setattr(self, k, v)
+
+
+class Device(_Attrs):
+    _defaults = {"name": b"soft0"}
+
+
+def get_device_list() -> list[Device]:
+    return [Device()]
+
+
+class DeviceAttr(_Attrs):
+    _defaults = {"max_qp_wr": 0, "max_sge": 0, "max_cqe": 0, "max_mr_size": 0}
+
+
+class PortAttr(_Attrs):
+    _defaults = {"state": 0, "active_mtu": 0, "lid": 0, "link_layer": 0, "max_msg_sz": 0,
+                 "gid_tbl_len": 0}
+
+
+class GID:
+    def __init__(self, val: str | None = None) -> None:
+        self.gid = val or "0000:0000:0000:0000:0000:0000:0000:0000"
+
+
+class Context:
+    def __init__(self, name: str | bytes = "soft0") -> None:
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != "soft0":
+            raise PyverbsRDMAError(f"Failed to open device {name}", errno.ENODEV)
+        self.fabric = nic.default_fabric()
+        self.name = name
+        self.children: list[Any] = []
+
+    def query_device(self) -> DeviceAttr:
+        f = self.fabric
+        return DeviceAttr(max_qp_wr=f.max_qp_wr, max_sge=f.max_sge, max_cqe=f.max_cqe,
+                          max_mr_size=1 << 40)
+
+    def query_port(self, port_num: int) -> PortAttr:
+        return PortAttr(state=4, active_mtu=5, lid=0, link_layer=2,
+                        max_msg_sz=self.fabric.max_msg_sz, gid_tbl_len=2)
+
+    def query_gid(self, port_num: int, index: int) -> GID:
+        return GID(f"fe80:0000:0000:0000:0000:ffff:7f00:{index + 1:04x}")
+
+    def query_gid_type(self, port_num: int, index: int) -> int:
+        return 1  # RoCE v2
+
+    def close(self) -> None:
+        for child in reversed(self.children):
+            child.close()
+        self.children.clear()
+
+
+class PD:
+    def __init__(self, context: Context) -> None:
+        self.context = context
+        context.children.append(self)
+
+    def close(self) -> None:
+        pass
+
+
+class MR:
+    def __init__(self, creator: PD, length: int, access: int, address: int | None = None) -> None:
+        if not address:
+            raise PyverbsRDMAError("soft verbs registers caller memory only (address=)", errno.EINVAL)
+        self.sim_state = creator.context.fabric.add_mr(creator, int(address), int(length), int(access))
+        self.fabric = creator.context.fabric
+        self.lkey = self.rkey = self.sim_state.key
+        self.length = int(length)
+        creator.context.children.append(self)
+
+    def close(self) -> None:
+        self.fabric.close_mr(self.sim_state)
+
+
+class DmaBufMR:
+    def __init__(self, pd: PD, length: int, access: int, dmabuf: int = -1, offset: int = 0) -> None:
+        raise PyverbsRDMAError("Failed to register a dma-buf MR", errno.EOPNOTSUPP)
+
+
+class WC(_Attrs):
+    _defaults = {"wr_id": 0, "status": 0, "opcode": 0, "byte_len": 0, "qp_num": 0, "vendor_err": 0}
+
+
+class CQ:
+    def __init__(self, context: Context, cqe: int, cq_context: Any = None, channel: Any = None,
+                 comp_vector: int = 0) -> None:
+        if cqe > context.fabric.max_cqe:
+            raise PyverbsRDMAError("Failed to create a CQ", errno.EINVAL)
+        self.sim_state = nic.CQState(cqe)
+        self.fabric = context.fabric
+        self.cqe = cqe
+
+    def poll(self, num_entries: int = 1) -> tuple[int, list[WC]]:
+        got = self.fabric.poll(self.sim_state, num_entries)
+        wcs = [WC(wr_id=w, status=s, opcode=o, byte_len=n, qp_num=q) for w, s, o, n, q in got]
+        return len(wcs), wcs
+
+    def close(self) -> None:
+        pass
+
+
+class QPCap(_Attrs):
+    _defaults = {"max_send_wr": 1, "max_recv_wr": 10, "max_send_sge": 1, "max_recv_sge": 1,
+                 "max_inline_data": 0}
+
+
+class QPInitAttr(_Attrs):
+    _defaults = {"qp_type": 2, "qp_context": None, "scq": None, "rcq": None, "srq": None,
+                 "cap": None, "sq_sig_all": 1}
+
+
+class GlobalRoute(_Attrs):
+    _defaults = {"dgid": None, "flow_label": 0, "sgid_index": 0, "hop_limit": 1, "traffic_class": 0}
+
+
+class AHAttr(_Attrs):
+    _defaults = {"dlid": 0, "sl": 0, "src_path_bits": 0, "static_rate": 0, "is_global": 0,
+                 "port_num": 1, "gr": None}
+
+    @property
+    def dgid(self) -> str | None:  # pyverbs reads the GRH fields through the AH attr
+        return self.gr.dgid.gid if self.gr is not None else None
+
+    @property
+    def sgid_index(self) -> int:
+        return self.gr.sgid_index if self.gr is not None else 0
+
+
+class QPAttr(_Attrs):
+    _defaults = {"qp_state": 0, "cur_qp_state": 0, "path_mtu": 3, "port_num": 1, "pkey_index": 0,
+                 "qp_access_flags": 0, "dest_qp_num": 0, "rq_psn": 0, "sq_psn": 0,
+                 "max_dest_rd_atomic": 0, "min_rnr_timer": 0, "timeout": 0, "retry_cnt": 0,
+                 "rnr_retry": 0, "max_rd_atomic": 0, "ah_attr": None}
+
+
+class SGE:
+    def __init__(self, addr: int, length: int, lkey: int) -> None:
+        if not 0 <= length < 1 << 32:
+            raise OverflowError("value too large to convert to uint32_t")
+        self.addr, self.length, self.lkey = int(addr), int(length), int(lkey)
+
+
+class _WR:
+    def sim_sges(self) -> list[tuple[int, int, int]]:
+        return [(s.addr, s.length, s.lkey) for s in self._sg[:self.num_sge]]
+
+    def _set_next(self, wr: Any) -> None:
+        self.sim_next = wr
+
+    next_wr = property(None, _set_next)  # v44: write-only from Python, a raw pointer inside
+
+
+class SendWR(_WR):
+    def __init__(self, wr_id: int = 0, opcode: int = 2, num_sge: int = 0, imm_data: int = 0,
+                 sg: list[SGE] | None = None, send_flags: int = 2) -> None:
+        if num_sge and (sg is None or len(sg) < num_sge):
+            raise PyverbsError("num_sge is larger than the SGE list")
+        self.wr_id, self.opcode, self.num_sge = wr_id, int(opcode), num_sge
+        self.imm_data, self.send_flags = imm_data, int(send_flags)
+        self._sg, self.sim_next = list(sg or []), None
+        self.sim_rkey = self.sim_raddr = 0  # write-only, as in pyverbs (its `rkey` is another field)
+
+    def set_wr_rdma(self, rkey: int, addr: int) -> None:
+        self.sim_rkey, self.sim_raddr = int(rkey), int(addr)
+
+
+class RecvWR(_WR):
+    def __init__(self, wr_id: int = 0, num_sge: int = 0, sg: list[SGE] | None = None) -> None:
+        if num_sge < 1 or sg is None:
+            raise PyverbsError("A WR needs at least one SGE")
+        self.wr_id, self.num_sge, self._sg, self.sim_next = wr_id, num_sge, list(sg), None
+
+
+_TRANSITIONS = {(0, 1), (1, 1), (1, 2), (2, 3), (3, 3)}
+
+
+class QP:
+    def __init__(self, creator: PD, init_attr: QPInitAttr) -> None:
+        ctx = creator.context
+        cap = init_attr.cap
+        if (init_attr.qp_type != 2 or cap.max_send_wr > ctx.fabric.max_qp_wr
+                or cap.max_recv_wr > ctx.fabric.max_qp_wr or cap.max_send_sge > ctx.fabric.max_sge):
+            raise PyverbsRDMAError("Failed to create QP", errno.EINVAL)
+        self.fabric = ctx.fabric
+        self._sig_all = bool(init_attr.sq_sig_all)
+        self.sim_state = ctx.fabric.add_qp(creator, init_attr.scq.sim_state, init_attr.rcq.sim_state, cap)
+        self.qp_num = self.sim_state.qpn
+        self.qp_type = 2
+        ctx.children.append(self)
+
+    @property
+    def qp_state(self) -> int:
+        return self.sim_state.state
+
+    def modify(self, qp_attr: QPAttr, comp_mask: int) -> None:
+        to = qp_attr.qp_state
+        if to not in (0, 6) and (self.sim_state.state, to) not in _TRANSITIONS:
+            raise PyverbsRDMAError(f"Failed to modify QP state to {to}", errno.EINVAL)
+        s = self.sim_state
+        if to == 1:
+            s.access = qp_attr.qp_access_flags
+        elif to == 2:
+            s.dest = qp_attr.dest_qp_num
+        elif to == 3:
+            s.rnr_retry = qp_attr.rnr_retry
+        self.fabric.set_state(s, to)
+
+    def to_init(self, qp_attr: QPAttr) -> None:
+        qp_attr.qp_state = 1
+        self.modify(qp_attr, 0)
+
+    def to_rtr(self, qp_attr: QPAttr) -> None:
+        if self.qp_state != 1:
+            self.to_init(qp_attr)
+        qp_attr.qp_state = 2
+        self.modify(qp_attr, 0)
+
+    def to_rts(self, qp_attr: QPAttr) -> None:
+        if self.qp_state != 2:
+            self.to_rtr(qp_attr)
+        qp_attr.qp_state = 3
+        self.modify(qp_attr, 0)
+
+    def post_send(self, send_wr: SendWR, bad_wr: Any = None) -> None:
+        if self.sim_state.state not in (3, 6):
+            raise PyverbsRDMAError("Failed to post send", errno.EINVAL)
+        wqes, wr = [], send_wr
+        while wr is not None:
+            sges = wr.sim_sges()
+            if wr.num_sge > self.sim_state.max_send_sge:
+                raise PyverbsRDMAError("Failed to post send", errno.EINVAL)
+            signaled = self._sig_all or bool(wr.send_flags & 2)
+            wqes.append(nic.WQE(wr.wr_id, wr.opcode, signaled, sges, wr.sim_rkey, wr.sim_raddr,
+                                sum(n for _, n, _ in sges)))
+            wr = wr.sim_next
+        if self.fabric.post_send(self.sim_state, wqes) < len(wqes):
+            raise PyverbsRDMAError("Failed to post send", errno.ENOMEM)
+
+    def post_recv(self, wr: RecvWR, bad_wr: Any = None) -> None:
+        if self.sim_state.state == 0:
+            raise PyverbsRDMAError("Failed to post recv", errno.EINVAL)
+        while wr is not None:
+            if not self.fabric.post_recv(self.sim_state, nic.WQE(wr.wr_id, 0, True, wr.sim_sges())):
+                raise PyverbsRDMAError("Failed to post recv", errno.ENOMEM)
+            wr = wr.sim_next
+
+    def close(self) -> None:
+        self.fabric.destroy_qp(self.sim_state)
