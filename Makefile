@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test,nixl,plot]"
+	$(PY) -m pip install -q -e ".[test,nixl,plot,ucx]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -38,7 +38,7 @@ def per_wr_us(api: object, wrs: int, sges: int, reps: int) -> tuple[float, float
     for _ in range(reps):
         t0 = time.perf_counter()
         out = build.write_wrs(api, rows, starts, src_base=1 << 30, lkey=1, dst_base=1 << 31, rkey=2,
-                              first_id=0, signal_every=64)
+                              signal_every=64)
         t1 = time.perf_counter()
         build.link(out)
         t2 = time.perf_counter()

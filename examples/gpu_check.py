@@ -14,9 +14,15 @@ recorded, never hidden):
   gather (`transport.device_copy`) and the one-copy-per-row loop it replaces;
 - loopback, tcp: CUDA → CUDA round trips through each backend (tcp bounces
   through pinned host memory), bytes checked, GB/s;
+- ucx: CUDA → CUDA round trips through `ucx-all` (UCXX over UCX's full
+  list: cuda_copy / cuda_ipc), bytes checked, GB/s;
 - nixl: VRAM → VRAM between two processes (`nixl-all`: UCX's full list),
   GB/s and the ratio to the device copy (goal: >= 0.8x on the 4 MiB rows),
   with the transports UCX reported (`UCX_PROTO_INFO`);
+- verbs (only where an RDMA port is ACTIVE; skipped with the reason
+  elsewhere): GPU → GPU writes through dma-buf MRs, GB/s and the ratio to
+  the device copy, the port and GID the engine chose, the NIC each GPU's
+  memory gets, and what one `cuFlushGPUDirectRDMAWrites` costs;
 - engine: a PD request through Prefill/DecodeEngine over CUDA pools;
 - demo: `examples.launch_pd --device cuda`, its own identical-output check.
 
@@ -48,7 +54,7 @@ from . import gpu_check_parts as parts
 TABLES = [("64 x 4 MiB", 64, 4 << 20), ("4096 x 64 KiB", 4096, 64 << 10), ("65536 x 4 KiB", 65536, 4 << 10)]
 # --quick divides row sizes by this (row counts stay: the launch count is the point).
 QUICK_SHRINK = 64
-SECTIONS = ("attributes", "copies", "loopback", "tcp", "nixl", "engine", "demo")
+SECTIONS = ("attributes", "copies", "loopback", "tcp", "ucx", "nixl", "verbs", "engine", "demo")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -158,6 +164,22 @@ def section_nixl(args: argparse.Namespace, device: torch.device, res: dict) -> d
     return out
 
 
+def section_verbs(args: argparse.Namespace, device: torch.device, res: dict) -> dict:
+    """verbs on this host's RDMA port: facts, then round trips per table (skipped without a port)."""
+    from pdxfer.transport.verbs.nics import probe
+
+    reason = probe()
+    if reason is not None:
+        return {"skipped": reason}
+    out: dict[str, Any] = parts.verbs_facts(device, args.reps)
+    out["tables"] = section_backend("verbs", args, device, res)
+    for name, fig in out["tables"].items():
+        base = res.get("copies", {}).get(name, {}).get("memcpy_gbs")
+        if base:
+            fig["vs_device_copy"] = fig["gbs"] / base
+    return out
+
+
 def section_demo(args: argparse.Namespace, device: torch.device, res: dict) -> dict:
     """The PD example on this device: exit 0 means every output matched its reference."""
     cmd = [sys.executable, "-m", "examples.launch_pd", "--device", device.type, "--transport", "tcp",
@@ -186,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         "copies": lambda: section_copies(args, device, res),
         "loopback": lambda: section_backend("loopback", args, device, res),
         "tcp": lambda: section_backend("tcp", args, device, res),
+        "ucx": lambda: (section_backend("ucx-all", args, device, res) if "ucx-all" in
+                        transport.variants() else {"skipped": "ucxx-cu12 is not installed"}),
         "nixl": lambda: section_nixl(args, device, res),
+        "verbs": lambda: section_verbs(args, device, res),
         "engine": lambda: parts.engine_round_trips(device),
         "demo": lambda: section_demo(args, device, res),
     }

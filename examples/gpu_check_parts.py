@@ -3,7 +3,8 @@
 Apart from `gpu_check.py` to keep each file to one job: this one reads the
 driver, checks bytes, runs the two NIXL processes (and is their entry point:
 `python -m examples.gpu_check_parts nixl-rx|nixl-tx`), drives the engine,
-and renders the markdown table.
+asks the verbs backend which NIC each GPU gets and what a GPUDirect flush
+costs, and renders the markdown table.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def engine_round_trips(device: torch.device) -> dict[str, Any]:
     fields = [layout.EntryField("k", 4, (16, 64), torch.float16),
               layout.EntryField("v", 4, (16, 64), torch.float16)]
     out = {}
-    for backend in [b for b in ("loopback", "tcp", "nixl-all")
+    for backend in [b for b in ("loopback", "tcp", "nixl-all", "verbs")
                     if b in transport.available() + transport.variants()]:
         src = layout.EntryMajorArena(fields, 64, device)
         dst = layout.EntryMajorArena(fields, 64, device)
@@ -236,6 +237,41 @@ def engine_round_trips(device: torch.device) -> dict[str, Any]:
                                  dst.buf.view(64, -1)[torch.from_numpy(dst_idx).to(device)]))
         out[backend] = {"state": str(state), "exact": exact and state is KVPoll.Success,
                         "seconds": round(time.perf_counter() - t0, 3)}
+    return out
+
+
+# -- verbs ---------------------------------------------------------------------------------
+
+
+def verbs_facts(device: torch.device, reps: int) -> dict[str, Any]:
+    """What only an RDMA host can say: the port and GID chosen, the NIC per GPU, a flush's cost."""
+    from pdxfer.transport.verbs.cuda import CudaDriver
+
+    out: dict[str, Any] = {}
+    with transport.create("verbs") as engine:
+        engine.register(torch.zeros(4096, dtype=torch.uint8, device=device))
+        out["engine"] = engine.describe()
+    if device.type != "cuda":
+        return out
+    nic = {}
+    for gpu in range(torch.cuda.device_count()):  # the issue's 8-GPU/8-NIC question: one NIC each?
+        with transport.create("verbs") as engine:
+            engine.register(torch.zeros(4096, dtype=torch.uint8, device=f"cuda:{gpu}"))
+            nic[f"cuda:{gpu}"] = f"{engine.nic.device}/{engine.nic.port_num} ({engine.nic.why})"
+    out["nic_per_gpu"] = nic
+    driver, gpu = CudaDriver(), device.index or 0
+    try:
+        if driver.flush_needed(gpu):
+            driver.flush(gpu)
+            n = 100 * reps
+            t0 = time.perf_counter()
+            for _ in range(n):
+                driver.flush(gpu)
+            out["flush_us"] = round((time.perf_counter() - t0) / n * 1e6, 2)
+        else:
+            out["flush_us"] = "not needed: GPU_DIRECT_RDMA_WRITES_ORDERING >= OWNER"
+    finally:
+        driver.close()
     return out
 
 
@@ -263,7 +299,8 @@ def markdown(res: dict) -> str:
     cols = [("copies", "memcpy_gbs", "device copy"), ("copies", "batched_gbs", "batched gather"),
             ("copies", "per_row_gbs", "per-row copy_"), ("loopback", "gbs", "loopback"),
             ("tcp", "gbs", "tcp (bounce)"), ("nixl", "gbs", "nixl-all 2 procs"),
-            ("nixl", "vs_device_copy", "nixl / device copy")]
+            ("nixl", "vs_device_copy", "nixl / device copy"), ("verbs", "gbs", "verbs"),
+            ("verbs", "vs_device_copy", "verbs / device copy")]
     lines += ["## GB/s (ratios as x)", "", "| table | " + " | ".join(c[2] for c in cols) + " |",
               "| --- |" + " --- |" * len(cols)]
     for name in names:
@@ -274,7 +311,7 @@ def markdown(res: dict) -> str:
             ok = table.get(name, {}).get("exact", True) if isinstance(table, dict) else True
             cells.append("-" if v is None else f"{v:.2f}" + ("" if ok else " WRONG BYTES"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    for sec in ("nixl", "engine", "demo"):
+    for sec in ("nixl", "verbs", "engine", "demo"):
         if sec in res:
             extra = {k: v for k, v in res[sec].items() if k != "tables"}
             lines += ["", f"## {sec}", "", "```", json.dumps(extra, indent=1, default=str), "```"]

@@ -25,11 +25,19 @@ Two kit classes carry it:
   `Bye` until the link ends, when it fences itself. Sends (acks, `Gone`,
   replies) that fail fence the link: a sender that stopped reading is gone.
   `hand_over(landed)` is the progress thread's one way to pass notes on:
-  the kit's delivery rule, then one `Acks` frame.
+  the kit's delivery rule, then one `Acks` frame. With `block=False` (a
+  progress thread serving many links) the frame goes out only as far as the
+  socket takes it without waiting (`ack_nowait`); the rest waits in the
+  link (bounded: a sender has at most its credits of transfers
+  unacknowledged) and goes on the next `flush_acks`, so one sender that
+  stopped reading, or a reply being sent to it, never holds up the thread
+  that serves every other link. A sender that takes none of it for
+  `SEND_TIMEOUT` is fenced.
 * `LinkRegions`: every inbound control link is given every live region
-  (nixl registers it on the link's agent, verbs makes the link's MR),
-  atomically with a region being registered, and told `Gone` when one is
-  deregistered.
+  (nixl registers it on the link's agent, verbs makes the link's MR), and
+  told `Gone` when one is deregistered. No lock is held while a link
+  registers (pinning may take seconds); see its docstring for why none is
+  needed.
 
 `WIRE` is a module holding the backend's `CONTROL` protocol and its frame
 classes (`Hello`, `Welcome`, `Regions`) beside the shared ones below.
@@ -42,6 +50,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
@@ -96,6 +105,13 @@ class Bye:
     TYPE: ClassVar[str] = "bye"
 
 
+def ints(data: bytes, width: int, what: str) -> np.ndarray:
+    """Raw little-endian int64 bytes as an `[n, width]` array (`ProtocolError` if ragged)."""
+    if len(data) % (8 * width):
+        raise ProtocolError(f"{what}: {len(data)} B is not a whole number of {width}-int rows")
+    return np.frombuffer(data, dtype="<i8").reshape(-1, width).astype(np.int64)
+
+
 def seqs_of(msg: Acks) -> list[int]:
     """The sequence numbers an `Acks` frame names (`ProtocolError` if ragged)."""
     if len(msg.seqs) % 8:
@@ -116,6 +132,7 @@ class ControlledLink(Link):
         self._queries: dict[int, threading.Event] = {}
         self._hung_up = False
         self._reader: threading.Thread | None = None
+        self.send_lock = threading.Lock()  # one frame at a time: callers' refreshes, Bye, a backend's own
         self.peer_regions: dict[int, Any] = {}
         self.sock, self.welcome = dial(dials, host, port, self.WIRE.CONTROL, hello,
                                        timeout=ctx.connect_timeout, peer=peer, what=self.what)
@@ -136,6 +153,10 @@ class ControlledLink(Link):
 
     def hang_up_path(self) -> None:
         """Free the data path's resources as the link dies (once)."""
+
+    def on_frame(self, msg: Any) -> bool:
+        """A frame of the backend's own (ucx's `Posted`); False if it is not one. Raises to sever."""
+        return False
 
     # -- the kit's hooks --------------------------------------------------------------
     def resolve(self, region_id: int) -> Remote | None:
@@ -158,7 +179,8 @@ class ControlledLink(Link):
         if self._hung_up:
             return
         try:  # the peer fences us on Bye and hangs up; its hang-up ends our reader
-            self.WIRE.CONTROL.send(self.sock, Bye())
+            with self.send_lock:
+                self.WIRE.CONTROL.send(self.sock, Bye())
         except (TransportError, OSError):
             pass
         reader = self._reader
@@ -174,7 +196,8 @@ class ControlledLink(Link):
                 raise self.error
             self._queries[query] = done
         try:
-            self.WIRE.CONTROL.send(self.sock, Refresh(query))
+            with self.send_lock:
+                self.WIRE.CONTROL.send(self.sock, Refresh(query))
             timeout = self.ctx.connect_timeout
             if not done.wait(timeout):
                 raise TransferTimeout(
@@ -201,6 +224,8 @@ class ControlledLink(Link):
                         done.set()
                 elif isinstance(msg, Gone):
                     self.peer_regions = {k: v for k, v in self.peer_regions.items() if k != msg.region}
+                elif self.on_frame(msg):
+                    pass
                 elif isinstance(msg, ErrorMessage):
                     raise ProtocolError(f"{self.what} hung up: {msg.reason}")
                 else:
@@ -234,6 +259,10 @@ class ControlInbound(InboundLink):
         self.sock = sock
         self.slot = slot  # our place in the listener's pre-handshake budget
         self.send_lock = threading.Lock()
+        self._ack_lock = threading.Lock()
+        self._acks: list[int] = []  # acked seqs not framed yet (ack_nowait)
+        self._unsent = b""  # the part of an ack frame the socket has not taken yet
+        self._stuck_since = 0.0  # when the socket last refused to take any of it
 
     # -- backend hooks ------------------------------------------------------------
     def admit(self, hello: Any) -> Any:
@@ -246,6 +275,10 @@ class ControlInbound(InboundLink):
 
     def stop_path(self) -> None:
         """Stop the data path: return once no byte of this link can land (the fence's core)."""
+
+    def on_frame(self, msg: Any) -> bool:
+        """A frame of the backend's own (ucx's announces); False if it is not one. Raises to end the link."""
+        return False
 
     def add_region(self, region: Region) -> None:
         """Give this link's sender `region` (its registration on the link's data path)."""
@@ -274,7 +307,7 @@ class ControlInbound(InboundLink):
                     self._send(self.regions_reply(msg.query))
                 elif isinstance(msg, Bye):
                     break
-                else:
+                elif not self.on_frame(msg):
                     raise ProtocolError(f"unexpected {type(msg).TYPE} from sender {self.sender}")
         except (TransportError, OSError) as exc:
             if not self.dead and not isinstance(exc, PeerLostError):
@@ -290,10 +323,18 @@ class ControlInbound(InboundLink):
         self.fence()
 
     # -- what the receiver says ------------------------------------------------------------
-    def hand_over(self, landed: list[tuple[int, bytes | None]]) -> None:
-        """Deliver landed transfers' notifies (the kit's rule), then acknowledge them in one frame."""
+    def hand_over(self, landed: list[tuple[int, bytes | None]], *, block: bool = True) -> None:
+        """Deliver landed transfers' notifies (the kit's rule), then acknowledge them in one frame.
+
+        `block=False`: the ack never waits on the socket (`ack_nowait`); the
+        caller then calls `flush_acks` on later rounds while `unacked`.
+        """
         if self.deliver(payload for _, payload in landed):
-            self.ack([seq for seq, _ in landed])
+            seqs = [seq for seq, _ in landed]
+            if block:
+                self.ack(seqs)
+            else:
+                self.ack_nowait(seqs)
 
     def ack(self, seqs: list[int]) -> None:
         """Tell the sender these transfers landed (after their notify was delivered)."""
@@ -311,8 +352,57 @@ class ControlInbound(InboundLink):
                         self.table.name, self.sender, type(msg).TYPE, exc)
             self.fence()
 
+    def ack_nowait(self, seqs: list[int]) -> None:
+        """`ack`, for a progress thread: never waits on the socket or on another sender (see above)."""
+        if seqs:
+            with self._ack_lock:
+                self._acks.extend(seqs)
+        self.flush_acks()
+
+    @property
+    def unacked(self) -> bool:
+        """Acks are waiting for the socket (call `flush_acks` again)."""
+        return bool(self._acks or self._unsent)
+
+    def flush_acks(self) -> None:
+        """Push waiting acks as far as the socket takes them now; fence a sender stuck for SEND_TIMEOUT."""
+        if self.dead or not self.send_lock.acquire(blocking=False):
+            return  # a reply is being sent: the next call pushes
+        error: BaseException | None = None
+        try:
+            while True:
+                if not self._unsent:
+                    with self._ack_lock:
+                        seqs, self._acks = self._acks, []
+                    if not seqs:
+                        break
+                    self._unsent = self.WIRE.CONTROL.pack(Acks(np.asarray(seqs, dtype="<i8").tobytes()))
+                try:
+                    taken = self.sock.send(self._unsent, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    taken = 0
+                self._unsent = self._unsent[taken:]
+                if self._unsent:
+                    now = time.monotonic()
+                    if taken or not self._stuck_since:
+                        self._stuck_since = now
+                    elif now - self._stuck_since > SEND_TIMEOUT:
+                        error = TransferTimeout(f"the sender took no acks for {SEND_TIMEOUT} s")
+                    break
+                self._stuck_since = 0.0
+        except OSError as exc:
+            error = exc
+        finally:
+            self.send_lock.release()
+        if error is not None:
+            log.warning("%s: link from %s lost while sending acks: %s", self.table.name, self.sender, error)
+            self.fence()
+
     def _send(self, msg: Any) -> None:
         with self.send_lock:
+            if self._unsent:  # the rest of an ack frame goes first: frames never interleave
+                self.sock.sendall(self._unsent)
+                self._unsent = b""
             self.WIRE.CONTROL.send(self.sock, msg)
 
     def cut(self) -> None:
@@ -325,16 +415,21 @@ class ControlInbound(InboundLink):
 
 
 class LinkRegions:
-    """Every live region, given to every inbound control link of one engine, atomically.
+    """Every live region, given to every inbound control link of one engine.
 
-    A region registered while a link is being admitted must reach it either
-    way: `registered` and `admit` hold one lock, so a new link gets every
-    region `live()` lists and every later one.
+    No lock is held across a link's `add_region` (verbs pins memory there:
+    seconds for tens of GiB, which must not stall registrations for other
+    links or a new link's admission). None is needed, because a region is in
+    the `RegionTable` before `registered` runs and a link is identified
+    before `admit` runs: whichever of the two snapshots misses the other,
+    the later one includes it, and a pair both reach is registered once
+    (`add_region` is idempotent under the link's own lock). A link still
+    being admitted has not sent its `Welcome`, and `register()` returns —
+    so a sender can name the region — only after `registered` finished.
     """
 
     def __init__(self, regions: RegionTable, inbound: InboundTable, kind: type[ControlInbound]) -> None:
         self._regions, self._inbound, self._kind = regions, inbound, kind
-        self._lock = threading.Lock()
 
     def links(self) -> list[ControlInbound]:
         """The live, identified inbound links of this engine's kind."""
@@ -342,17 +437,15 @@ class LinkRegions:
                 if isinstance(link, self._kind) and not link.dead and link.sender is not None]
 
     def registered(self, region: Region) -> None:
-        """A region was registered: give it to every link."""
-        with self._lock:
-            for link in self.links():
-                link.add_region(region)
+        """A region was registered: give it to every link (no lock held)."""
+        for link in self.links():
+            link.add_region(region)
 
     def admit(self, link: ControlInbound) -> list[Region]:
-        """A new link: give it every live region; those regions."""
-        with self._lock:
-            regions = self._regions.live()
-            for region in regions:
-                link.add_region(region)
+        """A new link: give it every live region; those regions (no lock held)."""
+        regions = self._regions.live()
+        for region in regions:
+            link.add_region(region)
         return regions
 
     def deregistered(self, region: Region) -> None:

@@ -37,11 +37,13 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "nixl": (".nixl", "NixlEngine", "pip install nixl-cu12 (bundles UCX)"),
     "verbs": (".verbs.hw", "VerbsEngine", "python3-pyverbs and an ACTIVE RDMA port"),
     "verbs-sim": (".verbs.sim", "SoftVerbsEngine", "built in: the software verbs fabric"),
+    "ucx": (".ucx", "UcxEngine", "pip install 'pdxfer[ucx]' (ucxx-cu12, bundles UCX)"),
 }
 
 # Named variants: name -> (backend, the options it pins).
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "nixl-all": ("nixl", {"tls": "all"}),  # UCX's full transport list: VRAM, one-sided, no fence
+    "ucx-all": ("ucx", {"tls": "all"}),  # UCXX over UCX's full list: VRAM, no fence
 }
 
 # Configurations the conformance kit runs beside each name's defaults: (name, options).

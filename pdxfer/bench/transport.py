@@ -15,8 +15,9 @@ shows) and with destination slots shuffled. Per case, in the same run:
   one `sendall` and one `recv_into` loop — what a naive socket transport does;
 - `tcp`: one `write` between two tcp engines (default stream count), and
   `tcp 1 stream` to show what striping adds;
-- any other installed backend (`nixl`): one `write` between two engines,
-  beside memcpy and tcp;
+- any other installed backend (`nixl`, `ucx`, their `-all` variants): one
+  `write` between two engines, beside memcpy and tcp — and `nixl` and `ucx`
+  beside raw NIXL over tcp, the same UCX transport under both;
 - with nixl installed, `raw NIXL (tcp)` and `raw NIXL (UCX default)`: NIXL
   agents used directly (`bench/rawnixl.py`: prepared descriptor lists, one
   reposted request), on our nixl backend's UCX transports and on UCX's own
@@ -197,6 +198,7 @@ def legend(columns: list[str], streams: int, processes: int = 1) -> dict[str, st
         RAW_DEFAULT: "the same with UCX's default transports (cma / shared memory on one host), GB/s",
         "tcp/raw NIXL (UCX default)": "tcp GB/s over raw NIXL (UCX default) GB/s",
         "nixl/raw NIXL (tcp)": "nixl GB/s over raw NIXL (tcp) GB/s",
+        "ucx/raw NIXL (tcp)": "ucx GB/s over raw NIXL (tcp) GB/s (both UCX over tcp)",
     }
     out = {}
     for c in columns:
@@ -237,8 +239,8 @@ def _pairs(backends: list[str], src: np.ndarray, local: LocalPeer, remote: Peer,
     for name in [b for b in backends if b not in ("loopback", "tcp")]:
         pairs[name] = _EnginePair(name, src, local, remote)
         columns += [name, f"{name}/memcpy"] + ([f"{name}/tcp"] if raw is not None else [])
-        if name == "nixl":
-            columns.append("nixl/raw NIXL (tcp)")
+        if name in ("nixl", "ucx") and "nixl" in backends:
+            columns.append(f"{name}/raw NIXL (tcp)")
         if hasattr(pairs[name].conn, "wrs"):
             columns.append(f"{name} WRs/doorbells")
     return raw
@@ -261,6 +263,7 @@ def _row(name: str, gbs: dict[str, float], pairs: dict[str, _EnginePair], table:
     ratio("tcp/raw", "tcp", "raw socket")
     ratio("tcp/raw NIXL (UCX default)", "tcp", RAW_DEFAULT)
     ratio("nixl/raw NIXL (tcp)", "nixl", RAW_TCP)
+    ratio("ucx/raw NIXL (tcp)", "ucx", RAW_TCP)
     for other in [p for p in pairs if p not in ("loopback", "tcp", "tcp 1 stream")]:
         ratio(f"{other}/memcpy", other, "memcpy")
         ratio(f"{other}/tcp", other, "tcp")

@@ -29,15 +29,16 @@ def test_without_cuda_it_refuses_with_the_reason(tmp_path: Path, capsys: pytest.
 
 def test_host_run_of_the_in_process_sections_writes_exact_figures(tmp_path: Path) -> None:
     rc = gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--quick",
-                         "--only", "attributes,copies,loopback,tcp,engine"])
+                         "--only", "attributes,copies,loopback,tcp,ucx,engine"])
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rc == 0, res
-    for section in ("copies", "loopback", "tcp"):
+    for section in ("copies", "loopback", "tcp") + (("ucx",) if "ucx-all" in transport.variants() else ()):
         assert set(res[section]) - {"seconds"} == {name for name, _, _ in gpu_check.TABLES}
         assert all(fig["exact"] is True for k, fig in res[section].items() if k != "seconds")
     assert all(res["copies"][name]["memcpy_gbs"] > 0 for name, _, _ in gpu_check.TABLES)
     assert {k: v["exact"] for k, v in res["engine"].items() if k != "seconds"} == dict.fromkeys(
-        [b for b in ("loopback", "tcp", "nixl-all") if b in transport.available() + transport.variants()], True)
+        [b for b in ("loopback", "tcp", "nixl-all", "verbs") if b in transport.available() + transport.variants()],
+        True)
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| 65536 x 4 KiB |" in table and "WRONG BYTES" not in table
 
@@ -51,6 +52,13 @@ def test_host_run_of_nixl_between_two_processes_names_ucx_transports(tmp_path: P
     # the full list's one-sided host transport on one machine carried the writes
     assert res["nixl"]["ucx_write_transports"] == ["cma"], res["nixl"]["ucx_write_protocols"]
     assert (tmp_path / "nixl_tx.log").stat().st_size > 0
+
+
+@pytest.mark.skipif("verbs" in transport.available(), reason="an RDMA port is ACTIVE here: the section runs")
+def test_the_verbs_section_is_skipped_with_the_reason_without_an_rdma_port(tmp_path: Path) -> None:
+    rc = gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--only", "verbs"])
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert rc == 0 and res["verbs"]["skipped"].startswith("no RDMA device"), res
 
 
 def test_unknown_sections_are_refused() -> None:

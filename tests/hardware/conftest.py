@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from pdxfer.transport.verbs.api import probe
+from pdxfer.transport.verbs.nics import probe
 
 REASON = probe()
 

@@ -31,7 +31,8 @@ def pair():
 
 
 def test_probe_reports_port_and_limits() -> None:
-    from pdxfer.transport.verbs.api import load, pick_port
+    from pdxfer.transport.verbs.api import load
+    from pdxfer.transport.verbs.nics import pick_port
 
     ctx, port = pick_port(load())
     try:

@@ -1,4 +1,4 @@
-"""The quarantine rule (#11) through real engines: loopback and tcp with the fence forced off.
+"""The quarantine rule (#11) through real engines: loopback and tcp with the fence forced off, nixl over cma, ucx-all.
 
 A decode whose transport cannot fence must never report Failed while a byte
 of the request may still land. Here the prefill's data transfer is held by
@@ -43,6 +43,10 @@ def _backend(param: str) -> tuple[str, dict]:
         if "nixl" not in transport.available():
             pytest.skip("nixl-cu12 is not installed here")
         return "nixl", NIXL_CMA
+    if param == "ucx-all":  # a variant that cannot fence by itself (UCX's full list)
+        if "ucx-all" not in transport.variants():
+            pytest.skip("ucxx-cu12 is not installed here")
+        return "ucx-all", {}
     return param, {"fence": False}
 
 
@@ -224,7 +228,7 @@ def _start_held(gated, rid: str, kv: list[int]) -> torch.Tensor:
     return _entries(dst, kv)
 
 
-@pytest.mark.parametrize("gated", [*NO_FENCE, "nixl-cma"], indirect=True)
+@pytest.mark.parametrize("gated", [*NO_FENCE, "nixl-cma", "ucx-all"], indirect=True)
 def test_a_timed_out_request_stays_quarantined_until_the_prefill_confirms(gated) -> None:
     prefill, decode, src, dst, gate, held, deaf = gated
     kv = list(range(40, 56))
@@ -252,7 +256,7 @@ def test_a_timed_out_request_stays_quarantined_until_the_prefill_confirms(gated)
     assert torch.equal(_entries(dst, kv), canary)
 
 
-@pytest.mark.parametrize("gated", [*NO_FENCE, "nixl-cma"], indirect=True)
+@pytest.mark.parametrize("gated", [*NO_FENCE, "nixl-cma", "ucx-all"], indirect=True)
 def test_a_cut_ack_ends_the_quarantine_and_the_cut_transfer_never_lands(gated) -> None:
     prefill, decode, src, dst, gate, held, deaf = gated
     kv = list(range(60, 76))

@@ -82,6 +82,13 @@ MUTATIONS = [
     ("K17", "transport/control.py", "        if self.deliver(payload for _, payload in landed):\n            self.ack",
      "        for _, payload in landed:\n            if payload is not None:\n                self.table.notify(self.sender, payload)\n        if True:\n            self.ack",
      kit("(nixl or verbs) and no_notify_starts")),
+    ("U1", "transport/ucx/progress.py", "        if self._workers.pop(id(worker), None) is not None:",
+     "        if False and self._workers.pop(id(worker), None) is not None:",
+     [T + "test_ucx.py", "-k", "bytes_in_flight"]),
+    ("U2", "transport/ucx/inbound.py", "            check_ranges(runs, region.length, what)", "            pass",
+     [T + "test_ucx.py", "-k", "region_cannot_hold"]),
+    ("U3", "transport/ucx/lib.py", "    if not address or not own or (address[0] & 0x0F) != (own[0] & 0x0F):",
+     "    if False:", [T + "test_ucx.py", "-k", "hello_with"]),
     # -- layout's planner ------------------------------------------------------------------------
     ("P1", "layout/segments.py", "    if src.size < 2 or (src[1:] >= src[:-1]).all():\n        return None",
      "    if src.size < 2:\n        return None\n    return np.argsort(src, kind='stable')[::-1]",

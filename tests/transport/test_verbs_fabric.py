@@ -17,7 +17,8 @@ import time
 import numpy as np
 import pytest
 from pdxfer.transport.verbs import build
-from pdxfer.transport.verbs.api import load, pick_port, probe
+from pdxfer.transport.verbs.api import load
+from pdxfer.transport.verbs.nics import pick_port, probe
 from pdxfer.transport.verbs.sim import namespace as soft
 from pdxfer.transport.verbs.sim import verbs as soft_verbs
 
@@ -46,7 +47,7 @@ class Two:
         for qp, other, access in ((self.b, self.a, b_access), (self.a, self.b, 0)):
             attr = build.connect_attr(api, port_num=port.port_num, mtu=port.mtu, access=access,
                                       dest_qpn=other.qp_num, rq_psn=0, sq_psn=0, lid=port.lid,
-                                      gid=port.gid, sgid_index=port.gid_index, ethernet=port.ethernet)
+                                      gid=port.gid, sgid_index=port.gid_index, grh=port.ethernet)
             attr.rnr_retry = rnr_retry
             qp.to_rts(attr)
 
@@ -54,8 +55,8 @@ class Two:
         rows = np.array([[src, dst, n]], np.int64)
         (wr,) = build.write_wrs(self.api, rows, np.zeros(1, np.int64), src_base=self.src.ctypes.data,
                                 lkey=self.src_mr.lkey, dst_base=self.dst.ctypes.data,
-                                rkey=self.dst_mr.rkey if rkey is None else rkey, first_id=wr_id,
-                                signal_every=1)
+                                rkey=self.dst_mr.rkey if rkey is None else rkey, signal_every=1)
+        wr.wr_id = wr_id
         return wr
 
     def completion(self, cq: object) -> object:

@@ -40,8 +40,10 @@ def _attr(a: Any) -> dict:
     return {f: int(getattr(a, f)) for f in (
         "qp_access_flags", "dest_qp_num", "rq_psn", "sq_psn", "max_dest_rd_atomic", "max_rd_atomic",
         "min_rnr_timer", "timeout", "retry_cnt", "rnr_retry", "port_num", "path_mtu")} | {
-        "ah": [int(ah.is_global), int(ah.dlid), int(ah.port_num),
-               int(ah.sgid_index) if ah.is_global else None, str(ah.dgid) if ah.is_global else None]}
+        "ah": [int(ah.is_global), int(ah.dlid), int(ah.port_num), int(ah.sl),
+               int(ah.sgid_index) if ah.is_global else None, str(ah.dgid) if ah.is_global else None,
+               int(ah.hop_limit) if ah.is_global else None,
+               int(ah.traffic_class) if ah.is_global else None]}
 
 
 def objects(api: Any) -> dict:
@@ -52,10 +54,11 @@ def objects(api: Any) -> dict:
     out["qp_init_attr"] = [int(init.qp_type), int(init.sq_sig_all)] + [
         int(getattr(init.cap, f)) for f in
         ("max_send_wr", "max_recv_wr", "max_send_sge", "max_recv_sge", "max_inline_data")]
-    for eth in (True, False):
+    for grh in (True, False):
         a = build.connect_attr(ns, port_num=1, mtu=5, access=3, dest_qpn=0x1234, rq_psn=77,
-                               sq_psn=0xABCDE, lid=9, gid=GID, sgid_index=3, ethernet=eth)
-        out[f"connect_attr eth={eth}"] = _attr(a)
+                               sq_psn=0xABCDE, lid=9, gid=GID, sgid_index=3, grh=grh, hop_limit=64,
+                               traffic_class=106, sl=3)
+        out[f"connect_attr grh={grh}"] = _attr(a)
     attr, mask = build.err_attr(ns)
     out["err_attr"] = [int(attr.qp_state), int(mask)]
     r = build.recv_wr(ns, 5, 0x10000, 4096, 0x77)
@@ -63,8 +66,8 @@ def objects(api: Any) -> dict:
     table = np.array([[0, 0, 100], [500, 100, 50], [4096, 8192, 3 << 20]], np.int64)
     rows, starts = build.plan_wrs(table, 8, 1 << 20)
     wrs = build.write_wrs(ns, rows, starts, src_base=0x100000, lkey=0x11, dst_base=0x200000,
-                          rkey=0x22, first_id=40, signal_every=2)
-    wrs.append(build.note_wr(ns, 99, 0x300000, 120, 0x11))
+                          rkey=0x22, signal_every=2)
+    wrs.append(build.note_wr(ns, build.note_frees(len(wrs), 2), 0x300000, 120, 0x11))
     build.link(wrs)
     out["send_wrs"] = [[int(w.wr_id), int(w.opcode), int(w.num_sge), int(w.send_flags)]
                        for w in wrs]

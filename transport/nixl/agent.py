@@ -16,16 +16,12 @@ NIXL would cut at its first comma.
 
 from __future__ import annotations
 
-import fcntl
-import ipaddress
 import logging
-import os
-import socket
-import struct
 import threading
 from typing import Any
 
 from ..errors import CapabilityError, ClosedError, PeerLostError, RegistrationError, TransportError
+from ..ucxenv import interface_of, route_ucx_log
 
 _raise_exceptions = logging.raiseExceptions
 from nixl_cu12 import _bindings as nixl_bindings  # noqa: E402
@@ -72,63 +68,6 @@ def check_tls(tls: Any) -> str:
     return tls
 
 
-def _route_ucx_log() -> None:
-    """Send UCX's own log lines to stderr, never to stdout (a worker's protocol channel).
-
-    UCX reads its global log options once, from the environment, when
-    libucs loads — at the first UCX backend this process creates, i.e. in
-    `make_agent` — and they cannot be passed as a backend parameter. So this
-    is the one place the library writes to `os.environ`, and only
-    `UCX_LOG_FILE`, and only when it is unset or `stdout`: anyone who chose a
-    file keeps it.
-    """
-    if os.environ.get("UCX_LOG_FILE", "stdout") in ("", "stdout"):
-        os.environ["UCX_LOG_FILE"] = "stderr"
-
-
-def interface_of(host: str) -> str | None:
-    """The network interface holding address `host`, or None (a wildcard, or not found).
-
-    UCX's tcp transport listens on every interface it is allowed; limiting it
-    (`NET_DEVICES`) to the interface of the host we were given keeps a
-    loopback-only engine off the cluster network.
-    """
-    if host in ("", "0.0.0.0", "::"):
-        return None
-    try:
-        wanted = {ipaddress.ip_address(info[4][0].split("%")[0])
-                  for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
-    except (OSError, ValueError):
-        return None
-    for _, name in socket.if_nameindex():
-        if any(ip.is_loopback for ip in wanted) and _addresses(name) & {
-                ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}:
-            return name
-        if _addresses(name) & wanted:
-            return name
-    return None
-
-
-def _addresses(name: str) -> set[Any]:
-    """The IPv4 address (ioctl SIOCGIFADDR) and IPv6 addresses (/proc) of interface `name`."""
-    out: set[Any] = set()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-            out.add(ipaddress.ip_address(raw[20:24]))
-        except OSError:
-            pass
-    try:
-        with open("/proc/net/if_inet6") as f:
-            for line in f:
-                cols = line.split()
-                if len(cols) == 6 and cols[5] == name:
-                    out.add(ipaddress.ip_address(int(cols[0], 16)))
-    except OSError:
-        pass
-    return out
-
-
 def make_agent(name: str, tls: str, device: str | None = None) -> nixl_agent:
     """A NIXL agent with one UCX backend restricted to transports `tls`, and no threads of its own.
 
@@ -138,9 +77,9 @@ def make_agent(name: str, tls: str, device: str | None = None) -> nixl_agent:
     network interface UCX may use (`device`, as UCX's `NET_DEVICES`) go in
     as backend parameters, never through the environment: another library
     in the process may use UCX differently. Only UCX's log destination must
-    be set through it (`_route_ucx_log`).
+    be set through it (`ucxenv.route_ucx_log`).
     """
-    _route_ucx_log()
+    route_ucx_log()
     engine_config = f"TLS={tls}" + (f",NET_DEVICES={device}" if device else "")
     config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
     try:

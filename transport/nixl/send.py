@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pdxfer.transport.nixl.wire as nixl_wire  # absolute: `from . import` depends on nixl/__init__
 
-from ..control import ControlledLink
+from ..control import ControlledLink, ints
 from ..copying import coalesce_posted
 from ..dial import Dials
 from ..errors import PeerLostError, TransportError
@@ -38,7 +38,7 @@ from ..posting import Post
 from ..regions import Region
 from .agent import Initiator
 from .requests import Requests
-from .wire import Hello, Regions, gpu_of, ints, mem_type, pack_note
+from .wire import Hello, Regions, gpu_of, mem_type, pack_note
 
 
 def _table(data: bytes) -> dict[int, Remote]:

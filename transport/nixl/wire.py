@@ -28,7 +28,6 @@ from typing import ClassVar
 import numpy as np
 
 from ..control import Acks, Bye, Gone, Refresh
-from ..errors import ProtocolError
 from ..wire import LENGTH, Protocol
 
 VERSION = 2  # 2: region rows carry the CUDA device (-1: host)
@@ -87,13 +86,6 @@ def unpack_note(data: bytes) -> Note:
     """The `Note` in a NIXL notification; `ProtocolError` for anything else."""
     NOTES.check_length(len(data))
     return NOTES.unpack(data)
-
-
-def ints(data: bytes, width: int, what: str) -> np.ndarray:
-    """Raw little-endian int64 bytes as an `[n, width]` array (`ProtocolError` if ragged)."""
-    if len(data) % (8 * width):
-        raise ProtocolError(f"{what}: {len(data)} B is not a whole number of {width}-int rows")
-    return np.frombuffer(data, dtype="<i8").reshape(-1, width).astype(np.int64)
 
 
 def mem_type(gpu: int) -> str:

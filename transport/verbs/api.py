@@ -12,17 +12,14 @@ Enums: rdma-core <= 58 ships `pyverbs.enums`, 59+ `pyverbs.libibverbs_enums`
 (Cython 3.1); both carry the class-qualified names used here.
 
 Also here: `wc_error`, the one place a failed work completion becomes our
-error (named by its WC status), and `probe()` (is there an active port? the registry lists "verbs"
-only then) and `pick_port()` (device, port, GID/LID choice with options to
-pin them), the one place that reads device and port attributes.
+error (named by its WC status). Which device, port and GID an engine uses,
+and the registry's probe for an ACTIVE port, are `nics`'.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import types
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import (
@@ -69,99 +66,6 @@ def load() -> types.SimpleNamespace:
         raise CapabilityError(f"pyverbs is not importable ({exc}); {INSTALL_HINT}") from exc
     _loaded = ns
     return ns
-
-
-@dataclass(frozen=True)
-class Port:
-    """The device port a verbs engine uses, with the limits the backend plans by."""
-
-    device: str
-    port_num: int
-    gid_index: int
-    gid: str
-    lid: int
-    mtu: int  # ibv_mtu enum value
-    ethernet: bool
-    max_qp_wr: int
-    max_sge: int
-    max_cqe: int
-    max_msg_sz: int
-
-
-def _no_devices_reason(exc: BaseException | None) -> str:
-    if not os.path.isdir("/sys/class/infiniband"):
-        return "no RDMA device: kernel has no InfiniBand support (/sys/class/infiniband is absent)"
-    return f"no RDMA device found ({exc or 'ibv_get_device_list returned none'})"
-
-
-def pick_port(api: Any, device: str | None = None, port_num: int | None = None,
-              gid_index: int | None = None) -> tuple[Any, Port]:
-    """Open the first device with an ACTIVE port (or the pinned one): `(Context, Port)`.
-
-    The GID is `gid_index` if given, else the first RoCE v2 GID that is not
-    all zeros (Ethernet); InfiniBand uses the LID with no GRH.
-    """
-    E = api.E
-    try:
-        devices = api.get_device_list()
-    except api.PyverbsError as exc:
-        raise CapabilityError(_no_devices_reason(exc)) from exc
-    names = [d.name.decode() if isinstance(d.name, bytes) else d.name for d in devices]
-    if device is not None:
-        names = [n for n in names if n == device] or [device]
-    if not names:
-        raise CapabilityError(_no_devices_reason(None))
-    tried = []
-    for name in names:
-        try:
-            ctx = api.Context(name=name)
-        except api.PyverbsError as exc:
-            tried.append(f"{name}: {exc}")
-            continue
-        dev = ctx.query_device()
-        for p in [port_num] if port_num else [1, 2]:
-            try:
-                attr = ctx.query_port(p)
-            except api.PyverbsError:
-                continue
-            if attr.state != E.ibv_port_state.IBV_PORT_ACTIVE:
-                tried.append(f"{name} port {p}: not active")
-                continue
-            ethernet = attr.link_layer == E.IBV_LINK_LAYER_ETHERNET
-            gi = gid_index if gid_index is not None else (_roce_v2_gid(api, ctx, p, attr.gid_tbl_len)
-                                                          if ethernet else 0)
-            gid = ctx.query_gid(p, gi).gid
-            return ctx, Port(name, p, gi, gid, int(attr.lid), int(attr.active_mtu), ethernet,
-                             int(dev.max_qp_wr), int(dev.max_sge), int(dev.max_cqe),
-                             int(attr.max_msg_sz))
-        ctx.close()
-    raise CapabilityError(f"no ACTIVE RDMA port ({'; '.join(tried) or 'none found'}); "
-                          "bring a link up or pin device=/port_num=")
-
-
-def _roce_v2_gid(api: Any, ctx: Any, port: int, count: int) -> int:
-    zero = "0000:0000:0000:0000:0000:0000:0000:0000"
-    v2 = api.E.ibv_gid_type_sysfs.IBV_GID_TYPE_SYSFS_ROCE_V2
-    for i in range(count):
-        try:
-            if ctx.query_gid(port, i).gid != zero and ctx.query_gid_type(port, i) == v2:
-                return i
-        except api.PyverbsError:
-            continue
-    raise CapabilityError(f"no RoCE v2 GID with an address on port {port}; pass gid_index=")
-
-
-def probe() -> str | None:
-    """None when real pyverbs imports and an ACTIVE port exists, else the reason it does not."""
-    if not os.path.isdir("/sys/class/infiniband"):  # no kernel RDMA: say so, import nothing
-        return _no_devices_reason(None)
-    try:
-        api = load()
-        ctx, _ = pick_port(api)
-    except CapabilityError as exc:
-        return str(exc)
-    ctx.close()
-    return None
 
 
 def wc_error(api: Any, wc: Any, peer: str) -> TransportError:

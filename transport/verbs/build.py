@@ -38,8 +38,15 @@ def qp_init_attr(api: Any, cq: Any, send_wr: int, recv_wr: int, send_sge: int) -
 
 
 def connect_attr(api: Any, *, port_num: int, mtu: int, access: int, dest_qpn: int, rq_psn: int,
-                 sq_psn: int, lid: int, gid: str, sgid_index: int, ethernet: bool) -> Any:
-    """What RESET->INIT->RTR->RTS needs (pyverbs' `to_rts` picks the masks per step)."""
+                 sq_psn: int, lid: int, gid: str, sgid_index: int, grh: bool, hop_limit: int = 64,
+                 traffic_class: int = 0, sl: int = 0) -> Any:
+    """What RESET->INIT->RTR->RTS needs (pyverbs' `to_rts` picks the masks per step).
+
+    `grh`: address the peer by GID through a global routing header (always
+    on RoCE; on InfiniBand across subnets), with `hop_limit` (pyverbs'
+    default of 1 is dropped by the first router) and `traffic_class`;
+    otherwise by LID alone. `sl` is the service level either way.
+    """
     attr = api.QPAttr(port_num=port_num, path_mtu=mtu)
     attr.qp_access_flags = access
     attr.dest_qp_num = dest_qpn
@@ -51,11 +58,12 @@ def connect_attr(api: Any, *, port_num: int, mtu: int, access: int, dest_qpn: in
     attr.timeout = TIMEOUT
     attr.retry_cnt = RETRY_CNT
     attr.rnr_retry = RNR_RETRY
-    if ethernet:
-        gr = api.GlobalRoute(dgid=api.GID(gid), sgid_index=sgid_index)
-        attr.ah_attr = api.AHAttr(port_num=port_num, is_global=1, dlid=lid, gr=gr)
+    if grh:
+        gr = api.GlobalRoute(dgid=api.GID(gid), sgid_index=sgid_index, hop_limit=hop_limit,
+                             traffic_class=traffic_class)
+        attr.ah_attr = api.AHAttr(port_num=port_num, is_global=1, dlid=lid, sl=sl, gr=gr)
     else:
-        attr.ah_attr = api.AHAttr(port_num=port_num, is_global=0, dlid=lid)
+        attr.ah_attr = api.AHAttr(port_num=port_num, is_global=0, dlid=lid, sl=sl)
     return attr
 
 
@@ -92,11 +100,15 @@ def plan_wrs(table: np.ndarray, max_sge: int, max_msg: int) -> tuple[np.ndarray,
 
 
 def write_wrs(api: Any, rows: np.ndarray, starts: np.ndarray, *, src_base: int, lkey: int,
-              dst_base: int, rkey: int, first_id: int, signal_every: int) -> list[Any]:
-    """RDMA WRITE WRs for planned rows, wr_id counting from `first_id`, unlinked.
+              dst_base: int, rkey: int, signal_every: int) -> list[Any]:
+    """RDMA WRITE WRs for planned rows, unlinked; built off every lock (`VerbsLink.plan`).
 
-    Every `signal_every`-th WR is signaled; the caller's note that ends the
-    transfer always is, so no WR's SQ slot waits forever for a completion.
+    Every `signal_every`-th WR is signaled, and its wr_id is the number of
+    SQ slots its completion frees (itself and the unsignaled WRs since the
+    last signaled one: `signal_every`); unsignaled WRs carry 0. So a WR
+    list needs no position in its rail's stream when it is built, and a
+    completion needs no lookup. The caller's note that ends the transfer is
+    always signaled (`note_frees`), so no slot waits forever for a completion.
     """
     opcode = api.E.ibv_wr_opcode.IBV_WR_RDMA_WRITE
     signaled = api.E.ibv_send_flags.IBV_SEND_SIGNALED
@@ -109,15 +121,24 @@ def write_wrs(api: Any, rows: np.ndarray, starts: np.ndarray, *, src_base: int, 
     for k in range(len(starts)):
         a, b = bounds[k], bounds[k + 1]
         sg = [SGE(src[i], size[i], lkey) for i in range(a, b)]
-        flags = signaled if (k + 1) % signal_every == 0 else 0
-        wr = SendWR(wr_id=first_id + k, opcode=opcode, num_sge=b - a, sg=sg, send_flags=flags)
+        last = (k + 1) % signal_every == 0
+        wr = SendWR(wr_id=signal_every if last else 0, opcode=opcode, num_sge=b - a, sg=sg,
+                    send_flags=signaled if last else 0)
         wr.set_wr_rdma(rkey, dst[a])
         out.append(wr)
     return out
 
 
+def note_frees(writes: int, signal_every: int) -> int:
+    """SQ slots the note after `writes` WRITE WRs frees: itself and the unsignaled WRITEs before it."""
+    return writes % signal_every + 1
+
+
 def note_wr(api: Any, wr_id: int, addr: int, length: int, lkey: int) -> Any:
-    """The signaled SEND carrying a transfer's note; on RC it lands after every earlier WRITE."""
+    """The signaled SEND carrying a transfer's note; on RC it lands after every earlier WRITE.
+
+    `wr_id`: the slots its completion frees (`note_frees`).
+    """
     return api.SendWR(wr_id=wr_id, opcode=api.E.ibv_wr_opcode.IBV_WR_SEND, num_sge=1,
                       sg=[api.SGE(addr, length, lkey)],
                       send_flags=api.E.ibv_send_flags.IBV_SEND_SIGNALED)

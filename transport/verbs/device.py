@@ -3,8 +3,8 @@
 A narrow, frozen view handed to every link (`send.VerbsLink`,
 `inbound.InboundPeer`) instead of the engine: the verbs namespace (real
 pyverbs or the software fabric), the opened context and protection domain,
-the port, the limits the backend plans by, the fence mode, and the dma-buf
-exports of this engine's CUDA registrations. Also here: the engine-wide MR
+the port and the route its QPs' address vectors carry, the limits the
+backend plans by, and the fence mode. Also here: the engine-wide MR
 of a region (`LocalMR`, the region's child under "mr") and `local_key`,
 which a write's source is resolved through.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ClosedError
-from .api import Port
+from .nics import Port, Route, needs_grh
 
 MAX_RAILS = 16
 
@@ -28,6 +28,7 @@ class Device:
     ctx: Any
     pd: Any
     port: Port
+    route: Route
     sq_depth: int
     signal_every: int
     rails: int
@@ -35,7 +36,13 @@ class Device:
     max_sge: int
     max_msg: int
     fence: str  # "mr": per-link MRs (a real fence); "qp": one shared MR per region (none)
-    dmabufs: dict
+
+    def path(self, lid: int, gid: str) -> dict[str, Any]:
+        """The address-vector keywords of `build.connect_attr` for a peer known by `lid`/`gid`."""
+        p, r = self.port, self.route
+        return {"port_num": p.port_num, "lid": lid, "gid": gid, "sgid_index": p.gid_index,
+                "grh": needs_grh(p, gid), "hop_limit": r.hop_limit, "traffic_class": r.traffic_class,
+                "sl": r.sl}
 
 
 class LocalMR:

@@ -40,7 +40,7 @@ import pdxfer.transport.verbs.build as build  # absolute: `from . import` depend
 import pdxfer.transport.verbs.wire as verbs_wire
 
 from ..control import ControlInbound
-from ..errors import PeerLostError, ProtocolError, TransportError
+from ..errors import ClosedError, PeerLostError, ProtocolError, TransportError
 from ..inbound import InboundTable
 from ..listener import Slot
 from ..regions import Region
@@ -72,7 +72,7 @@ class InboundPeer(ControlInbound):
                  admit: Callable[[InboundPeer], list[Region]]) -> None:
         super().__init__(table, sock, f"verbs link from {where}", slot)
         self._engine_id, self.serial, self._dev = engine_id, serial, dev
-        self._admit = admit  # adds every live region, atomically with register()
+        self._admit = admit  # adds every live region (see add_region for the race with register())
         self.lock = threading.Lock()  # every verbs call on this link's QP/CQ/MRs
         self.qps: list = []  # one RC QP per rail of the sender
         self.cq: Any = None
@@ -80,6 +80,7 @@ class InboundPeer(ControlInbound):
         self._partial: dict[int, list] = {}  # seq -> [notes arrived, payload] of striped transfers
         self._mrs: dict[int, tuple[Any, int, bool]] = {}  # region id -> (MR, base, ours to close)
         self._regions: dict[int, Region] = {}  # the regions we hold a child of
+        self._adding: set[int] = set()  # regions whose MR is being registered (no lock held)
 
     # -- setup (the control thread) ---------------------------------------------------
     def admit(self, hello: Hello) -> Welcome:
@@ -112,17 +113,16 @@ class InboundPeer(ControlInbound):
             self._slots_base = int(self._slots.ctypes.data)
             self._slots_mr = api.MR(dev.pd, self._slots.nbytes, access_flags(api, False),
                                     address=self._slots_base)
-        self._admit(self)  # every live region's MR, atomically with register()
-        p, psns = dev.port, []
+        self._admit(self)  # every live region's MR (no lock held: pinning may take seconds)
+        p, psns, path = dev.port, [], dev.path(hello.lid, hello.gid)
         with self.lock:
             if self.dead:
                 raise PeerLostError("link fenced")
             for r, qp in enumerate(self.qps):
                 psns.append(random.getrandbits(24))
-                attr = build.connect_attr(api, port_num=p.port_num, mtu=min(p.mtu, hello.mtu),
-                                          access=access_flags(api, True), dest_qpn=hello.qpns[r],
-                                          rq_psn=hello.psns[r], sq_psn=psns[-1], lid=hello.lid,
-                                          gid=hello.gid, sgid_index=p.gid_index, ethernet=p.ethernet)
+                attr = build.connect_attr(api, mtu=min(p.mtu, hello.mtu), access=access_flags(api, True),
+                                          dest_qpn=hello.qpns[r], rq_psn=hello.psns[r], sq_psn=psns[-1],
+                                          **path)
                 qp.to_init(attr)
                 for slot in range(r * credits, (r + 1) * credits):  # before RTR: a note may follow at once
                     self._repost(slot)
@@ -146,19 +146,48 @@ class InboundPeer(ControlInbound):
 
     # -- regions ----------------------------------------------------------------------
     def add_region(self, region: Region) -> None:
-        """Give this sender the region: its own MR (fence="mr"), or the engine's shared one ("qp")."""
-        dev = self._dev
+        """Give this sender the region: its own MR (fence="mr"), or the engine's shared one ("qp").
+
+        The registration — pinning, seconds for tens of GiB — runs with no
+        lock held: the progress thread keeps polling this link and every
+        other one meanwhile. `register()` (for every link) and this link's
+        admission (for every region) may both reach one pair; the first
+        registers, the second skips it. Nothing is lost: a link still being
+        admitted has not sent its `Welcome`, and `register()` returns (and a
+        sender can name the region) only after its own call finished, so a
+        `Refresh` then finds the MR.
+        """
+        dev, rid = self._dev, region.region_id
         with self.lock:
-            if self.dead or region.region_id in self._mrs:
+            if self.dead or rid in self._mrs or rid in self._adding:
                 return
             if dev.fence == "qp":  # the engine's own MR, shared by every link: never ours to close
                 shared = region.child("mr")
-                self._mrs[region.region_id] = (shared.mr, shared.base, False)
+                self._mrs[rid] = (shared.mr, shared.base, False)
                 return
-            mr, base = register_mr(dev.api, dev.pd, region, access_flags(dev.api, True), dev.dmabufs)
-            self._mrs[region.region_id] = (mr, base, True)
-            self._regions[region.region_id] = region
-        region.adopt(("verbs-link", self.serial), _LinkMR(self, region.region_id))
+            self._adding.add(rid)
+        try:
+            mr, base = register_mr(dev.api, dev.pd, region, access_flags(dev.api, True))
+        except BaseException:
+            with self.lock:
+                self._adding.discard(rid)
+            raise
+        with self.lock:
+            self._adding.discard(rid)
+            fenced = self.dead
+            if not fenced:
+                self._mrs[rid] = (mr, base, True)
+                self._regions[rid] = region
+        if fenced:  # the link was fenced meanwhile: this rkey was never announced
+            mr.close()
+            return
+        key = ("verbs-link", self.serial)
+        try:
+            region.adopt(key, _LinkMR(self, rid))
+        except ClosedError:  # deregistered meanwhile: adopt closed the MR (drop_mr)
+            return
+        if self.dead:  # fenced meanwhile: stop_path closed the MR; let the region go
+            region.drop(key)
 
     def drop_mr(self, region_id: int) -> None:
         """Close this link's MR of a region (waits out packets into it); the engine then says Gone."""

@@ -6,28 +6,31 @@ allocates or frees (an address of 0 would make pyverbs allocate its own
 buffer, which is why a region's address is asserted non-zero). The region
 keeps the tensor referenced, so the pinned pages cannot be freed under it.
 
-CUDA memory: first a dma-buf MR over the whole allocation
-(`cuMemGetHandleForAddressRange`, exported once per allocation and kept
-open), whose iova under pyverbs 44 is the dma-buf *offset* — so addresses
-for SGEs and remote writes are `base + offset` with `base` the offset of the
-region inside its allocation. Without dma-buf support, `MR(address=ptr)`
-works only when the nvidia-peermem module is loaded. Otherwise a
-`CapabilityError` names both ways. Not run here (no GPU, no NIC): written
-from the CUDA driver API and pyverbs' DmaBufMR, to be proven by the
-hardware suite (tests/hardware).
+CUDA memory is decided once per region, at `register()` (`prepare`), before
+any MR exists: the allocation holding it (`cuda.CudaDriver.locate`), whether
+its GPU needs a flush before notifies (a `cuda.FlushHold`), and its dma-buf
+export (`cuda.DmaBufs`, shared by the regions of one allocation). All of it
+is the region's child "cuda", so `deregister` releases it after the MRs over
+it. Every MR over the region then follows that choice (`register_mr`): a
+`DmaBufMR` whose iova under pyverbs 44 is the dma-buf *offset* — so SGE and
+remote addresses are `base + offset` with `base` the region's offset inside
+its allocation — or, where dma-buf registration fails and the nvidia-peermem
+module is loaded, `MR(address=ptr)`. Otherwise a `CapabilityError` names
+both ways. On the software fabric the same code runs against its CUDA
+double (`sim/gpu.py`); on a GPU it is proven by the hardware suite
+(tests/hardware) only.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 from typing import Any
 
 from ..errors import CapabilityError, RegistrationError
 from ..regions import Region
+from .cuda import Allocation, DmaBufs, Export, Flushes, FlushHold
 
-_CU_DMA_BUF_FD = 1  # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
-_PEERMEM = "/sys/module/nvidia_peermem"
+PEERMEM = "/sys/module/nvidia_peermem"
 
 
 def access_flags(api: Any, remote_write: bool) -> int:
@@ -36,66 +39,70 @@ def access_flags(api: Any, remote_write: bool) -> int:
     return int(A.IBV_ACCESS_LOCAL_WRITE | (A.IBV_ACCESS_REMOTE_WRITE if remote_write else 0))
 
 
-def register_mr(api: Any, pd: Any, region: Region, access: int, dmabufs: dict) -> tuple[Any, int]:
-    """`(mr, base)`: an MR over `region` and the address of its first byte in that MR's space."""
-    if region.device == "cpu":
-        if not region.start:
-            raise RegistrationError("a host region at address 0 cannot be registered by address")
-        try:
-            return api.MR(pd, region.length, access, address=region.start), region.start
-        except api.PyverbsError as exc:
-            raise RegistrationError(
-                f"ibv_reg_mr of {region.length} B at {region.start:#x} failed: {exc}; "
-                "raise the memlock limit (ulimit -l) or register less memory"
-            ) from exc
-    return _register_cuda(api, pd, region, access, dmabufs)
+class CudaRegion:
+    """How a CUDA region is registered (its child "cuda"): its allocation, dma-buf export, flush hold."""
+
+    def __init__(self, alloc: Allocation, export: Export | None, flush: FlushHold | None,
+                 dmabuf_error: str = "") -> None:
+        self.alloc, self.export, self.flush = alloc, export, flush
+        self.dmabuf_error = dmabuf_error  # why dma-buf is not used (peermem then)
+
+    def use_peermem(self, why: str) -> None:
+        """dma-buf registration failed: drop the export; MRs go by address (nvidia-peermem)."""
+        export, self.export, self.dmabuf_error = self.export, None, why
+        if export is not None:
+            export.close()
+
+    def close(self) -> None:
+        for held in (self.export, self.flush):
+            if held is not None:
+                held.close()
 
 
-def _register_cuda(api: Any, pd: Any, region: Region, access: int, dmabufs: dict) -> tuple[Any, int]:
-    dmabuf_error = "no dma-buf export"
+def prepare(driver: Any, dmabufs: DmaBufs, flushes: Flushes, region: Region) -> Allocation | None:
+    """Decide how `region` is registered (see the module docstring); its allocation, None for host."""
+    alloc = driver.locate(region)
+    if alloc is None:
+        return None
+    flush = flushes.hold(alloc.gpu) if driver.flush_needed(alloc.gpu) else None
     try:
-        fd, alloc_base = _dmabuf(region.start, dmabufs)
-        offset = region.start - alloc_base
-        return api.DmaBufMR(pd, region.length, access, dmabuf=fd, offset=offset), offset
-    except (OSError, api.PyverbsError, CapabilityError) as exc:
-        dmabuf_error = str(exc)
-    if os.path.isdir(_PEERMEM):
-        try:
-            return api.MR(pd, region.length, access, address=region.start), region.start
-        except api.PyverbsError as exc:
-            raise RegistrationError(f"peermem registration of CUDA memory failed: {exc}") from exc
-    raise CapabilityError(
+        export, error = dmabufs.acquire(alloc), ""
+    except (CapabilityError, OSError) as exc:
+        export, error = None, str(exc)
+        if not os.path.isdir(PEERMEM):
+            if flush is not None:
+                flush.close()
+            raise _neither(error) from exc
+    region.adopt("cuda", CudaRegion(alloc, export, flush, error))
+    return alloc
+
+
+def _neither(dmabuf_error: str) -> CapabilityError:
+    return CapabilityError(
         f"cannot register CUDA memory with the NIC: dma-buf MR failed ({dmabuf_error}) and the "
         "nvidia-peermem module is not loaded; use the open GPU kernel modules with a dma-buf "
-        "capable kernel, or `modprobe nvidia-peermem`"
-    )
+        "capable kernel, or `modprobe nvidia-peermem`")
 
 
-def _dmabuf(ptr: int, cache: dict) -> tuple[int, int]:
-    """`(fd, allocation base)` of the CUDA allocation holding `ptr`, exported once per allocation."""
-    try:
-        cu = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        raise CapabilityError(f"libcuda.so.1 not loadable: {exc}") from exc
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    if cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)):
-        raise CapabilityError(f"cuMemGetAddressRange failed for {ptr:#x}")
-    if base.value in cache:
-        return cache[base.value], base.value
-    fd = ctypes.c_int(-1)
-    rc = cu.cuMemGetHandleForAddressRange(ctypes.byref(fd), ctypes.c_uint64(base.value), size,
-                                          _CU_DMA_BUF_FD, ctypes.c_ulonglong(0))
-    if rc:
-        raise CapabilityError(f"cuMemGetHandleForAddressRange returned CUresult {rc}")
-    cache[base.value] = fd.value
-    return fd.value, base.value
-
-
-def close_dmabufs(cache: dict) -> None:
-    """Close the exported dma-buf fds (after every MR over them is closed)."""
-    for fd in cache.values():
+def register_mr(api: Any, pd: Any, region: Region, access: int) -> tuple[Any, int]:
+    """`(mr, base)`: an MR over `region` and the address of its first byte in that MR's space."""
+    cuda = region.child("cuda")
+    if cuda is not None and cuda.export is not None:
+        offset = region.start - cuda.alloc.base
         try:
-            os.close(fd)
-        except OSError:
-            pass
-    cache.clear()
+            return api.DmaBufMR(pd, region.length, access, dmabuf=cuda.export.fd, offset=offset), offset
+        except api.PyverbsError as exc:
+            if not os.path.isdir(PEERMEM):
+                raise _neither(str(exc)) from exc
+            cuda.use_peermem(str(exc))
+    if not region.start:
+        raise RegistrationError("a region at address 0 cannot be registered by address")
+    try:
+        return api.MR(pd, region.length, access, address=region.start), region.start
+    except api.PyverbsError as exc:
+        if cuda is not None:
+            raise RegistrationError(f"peermem registration of CUDA memory failed: {exc}") from exc
+        raise RegistrationError(
+            f"ibv_reg_mr of {region.length} B at {region.start:#x} failed: {exc}; "
+            "raise the memlock limit (ulimit -l) or register less memory"
+        ) from exc

@@ -6,18 +6,20 @@ us through an outbound link), dials the peer under one deadline saying
 `Hello` with its QPs, learns the receiver's QPs, regions and rkeys from
 `Welcome`, and moves its QPs to RTS.
 
-A write, after the kit's checks: `plan` (off the lock) cuts a transfer of
-at least `RAIL_MIN` bytes per rail into byte-balanced stripes, one per rail,
-and plans each (`build.plan_wrs`: sorted, coalesced, split at the port's max
-message size, dst-contiguous rows gathered into multi-SGE WRs); `submit`
-builds the WRITE WRs plus one SEND carrying each stripe's `Note`, appends
-them to the rails' queues in order, and `_pump` posts as many as each SQ
-has free slots as one linked list — one doorbell per window — while the
+A write, after the kit's checks: `plan` — on the caller's thread, with no
+lock held — cuts a transfer of at least `RAIL_MIN` bytes per rail into
+byte-balanced stripes, one per rail, plans each (`build.plan_wrs`: sorted,
+coalesced, split at the port's max message size, dst-contiguous rows
+gathered into multi-SGE WRs) and builds its WRITE WRs (`build.write_wrs`,
+~10-15 us of Python each: the expensive part, so never under the link
+lock). `submit`, under the lock, only appends them and each stripe's `Note`
+marker to the rails' queues, in order; `_pump` posts as many as each SQ has
+free slots as one linked list — one doorbell per window — while the
 progress thread posts the rest as completions free slots. Every
-`signal_every`-th WR and every note is signaled; a completion frees its slot
-and every earlier one (wr_id is the WR's position in the rail's stream). A
-note needs a credit (a receive the peer has posted); each acknowledged
-transfer returns one per rail it used, so the peer never sees RNR.
+`signal_every`-th WR and every note is signaled, and its wr_id is the
+number of SQ slots its completion frees. A note needs a credit (a receive
+the peer has posted); each acknowledged transfer returns one per rail it
+used, so the peer never sees RNR.
 
 The handle completes when the receiver's `Acks` names it — after its notes
 arrived (RC: after every WRITE before them) and its notify ran. Any error —
@@ -54,12 +56,12 @@ RAIL_MIN = 1 << 20  # a transfer is striped over one rail per this many bytes, u
 class _Rail:
     """One QP of a link and its share of the stream: queue, WR ids, SQ slots, note credits."""
 
-    __slots__ = ("completed", "credits", "index", "next_id", "notes", "posted", "psn", "qp", "queue")
+    __slots__ = ("completed", "credits", "index", "notes", "posted", "psn", "qp", "queue")
 
     def __init__(self, index: int, qp: Any) -> None:
         self.index, self.qp, self.psn = index, qp, random.getrandbits(24)
-        self.queue: collections.deque = collections.deque()  # SendWR, or (wr_id, note bytes)
-        self.next_id = self.completed = self.posted = self.notes = self.credits = 0
+        self.queue: collections.deque = collections.deque()  # SendWR, or (slots it frees, note bytes)
+        self.completed = self.posted = self.notes = self.credits = 0
 
 
 def region_table(data: bytes) -> dict[int, Remote]:
@@ -121,10 +123,10 @@ class VerbsLink(ControlledLink):
             raise ProtocolError(f"welcome names QPs {welcome.qpns!r} / PSNs {welcome.psns!r} for our "
                                 f"{len(self._rails)} rails; expected that many 24-bit ints of each")
         self.peer_regions = region_table(welcome.regions)
+        path = dev.path(welcome.lid, welcome.gid)
         for rail, qpn, psn in zip(self._rails, welcome.qpns, welcome.psns, strict=True):
-            attr = build.connect_attr(api, port_num=p.port_num, mtu=min(p.mtu, welcome.mtu), access=0,
-                                      dest_qpn=qpn, rq_psn=psn, sq_psn=rail.psn, lid=welcome.lid,
-                                      gid=welcome.gid, sgid_index=p.gid_index, ethernet=p.ethernet)
+            attr = build.connect_attr(api, mtu=min(p.mtu, welcome.mtu), access=0, dest_qpn=qpn,
+                                      rq_psn=psn, sq_psn=rail.psn, **path)
             try:
                 rail.qp.to_rts(attr)
             except api.PyverbsError as exc:
@@ -133,29 +135,28 @@ class VerbsLink(ControlledLink):
 
     # -- the kit's hooks -----------------------------------------------------------------
     def plan(self, src: Region, dst: Remote, table: np.ndarray) -> Any:
+        """The WRITE WRs of each stripe, built here: on the caller's thread, no lock held."""
         dev = self._dev
         nbytes = int(table[:, 2].sum()) if table.shape[0] else 0
         # Striped over rails by bytes: each rail's note lands after that rail's WRITEs, and the
         # receiver delivers notify once every rail's note is in. Small transfers use one rail.
         stripes = min(len(self._rails), max(1, -(-nbytes // RAIL_MIN)))
         parts = balanced_parts(table, stripes) if stripes > 1 else [table]
-        return [build.plan_wrs(part, dev.max_sge, dev.max_msg) for part in parts]
+        lkey, src_base = local_key(src)
+        base, rkey = dst.info
+        return [build.write_wrs(dev.api, *build.plan_wrs(part, dev.max_sge, dev.max_msg),
+                                src_base=src_base, lkey=lkey, dst_base=base, rkey=rkey,
+                                signal_every=dev.signal_every) for part in parts]
 
     def submit(self, post: Post) -> None:
-        dev = self._dev
-        lkey, src_base = local_key(post.src)
-        base, rkey = post.dst.info
-        plans = post.table
-        self._used[post.seq] = len(plans)
-        for rail, (rows, starts) in zip(self._rails, plans, strict=False):
-            wrs = build.write_wrs(dev.api, rows, starts, src_base=src_base, lkey=lkey,
-                                  dst_base=base, rkey=rkey, first_id=rail.next_id,
-                                  signal_every=dev.signal_every)
-            rail.next_id += len(wrs) + 1
+        stripes = post.table
+        self._used[post.seq] = len(stripes)
+        every = self._dev.signal_every
+        for rail, wrs in zip(self._rails, stripes, strict=False):
             rail.queue.extend(wrs)
-            last = rail.index == len(plans) - 1
-            rail.queue.append((rail.next_id - 1, pack_note(post.seq, rail.index, len(plans),
-                                                           post.notify if last else None)))
+            last = rail.index == len(stripes) - 1
+            rail.queue.append((build.note_frees(len(wrs), every),
+                               pack_note(post.seq, rail.index, len(stripes), post.notify if last else None)))
             self._pump(rail)
         self._kick()
 
@@ -245,8 +246,7 @@ class VerbsLink(ControlledLink):
                 if wc.status != self._dev.api.E.ibv_wc_status.IBV_WC_SUCCESS:
                     self.sever(wc_error(self._dev.api, wc, self.peer))
                     return True
-                rail = self._by_qpn[wc.qp_num]
-                rail.completed = max(rail.completed, int(wc.wr_id) + 1)
+                self._by_qpn[wc.qp_num].completed += int(wc.wr_id)  # the slots it frees
             if n:
                 for rail in self._rails:
                     self._pump(rail)
@@ -256,3 +256,8 @@ class VerbsLink(ControlledLink):
     def qpns(self) -> list[int]:
         """This link's QP numbers, one per rail (tests, fault injection)."""
         return [r.qp.qp_num for r in self._rails]
+
+    @property
+    def qps(self) -> list[Any]:
+        """This link's QPs, one per rail (the hardware suite reads their address vectors back)."""
+        return [r.qp for r in self._rails]

@@ -2,9 +2,14 @@
 
 `verbs.py` mirrors the part of pyverbs' surface the backend uses, `nic.py`
 is the NIC thread that executes work requests as an RC HCA would (ordering,
-the revoke contract, limits, completion errors, fault injection).
+the revoke contract, limits, completion errors, fault injection), `net.py`
+the host and network it models (NICs, GPUs and their PCIe places, GID
+tables, subnets and routers), `gpu.py` the CUDA driver double, and
+`current.py` which fabric soft devices are made on.
 `SoftVerbsEngine` is the unchanged backend (`verbs.engine.VerbsEngine`)
-with `namespace()` as its verbs: every `make test` runs the verbs code.
+with `namespace()` as its verbs and the fabric's CUDA double and sysfs tree
+as its host: every `make test` runs the verbs code. `use(Fabric(topology))`
+puts the engines made inside the block on another host (tests).
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ from __future__ import annotations
 import types
 from typing import Any
 
-import pdxfer.transport.verbs.sim.verbs as soft  # absolute: no import back to this package
+import pdxfer.transport.verbs.sim.current as current  # absolute: no import back to this package
+import pdxfer.transport.verbs.sim.nic as nic
+import pdxfer.transport.verbs.sim.verbs as soft
 
 from ...base import Capabilities
 from ..api import NAMES
 from ..engine import VerbsEngine
 
-__all__ = ["SoftVerbsEngine", "fabric", "namespace"]
+__all__ = ["Fabric", "SoftVerbsEngine", "fabric", "namespace", "use"]
 
 
 def namespace() -> types.SimpleNamespace:
@@ -31,8 +38,12 @@ def namespace() -> types.SimpleNamespace:
 
 
 def fabric() -> Any:
-    """The fabric the soft devices of this process sit on (for fault injection in tests)."""
+    """The fabric soft devices are made on now (for fault injection in tests)."""
     return soft.fabric()
+
+
+Fabric = nic.Fabric
+use = current.use
 
 
 class SoftVerbsEngine(VerbsEngine):
@@ -47,3 +58,8 @@ class SoftVerbsEngine(VerbsEngine):
     @staticmethod
     def load_api() -> Any:
         return namespace()
+
+    @staticmethod
+    def load_host() -> tuple[Any, str]:
+        fab = soft.fabric()
+        return fab.cuda, fab.sysfs

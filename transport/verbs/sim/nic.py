@@ -21,6 +21,15 @@ state machine, the mlx5 MR revoke contract), and nothing more:
   off gives RETRY_EXC_ERR after `retry_timeout`. A full CQ puts its QPs in
   ERR (the CQ overrun). Error completions carry only wr_id/status/qp_num/
   vendor_err; after an error every outstanding WR completes WR_FLUSH_ERR.
+- Addressing (`net.Network`): a request reaches its responder only if the
+  requester's address vector (GID, type, hop limit; LID on InfiniBand)
+  leads to the responder's port, and its ACK comes back only if the
+  responder's leads back; otherwise the requester retries and fails
+  `RETRY_EXC_ERR`, as on a routed fabric.
+- GPU memory (`gpu.CudaDouble`): a dma-buf MR maps its export's pages
+  itself (its address space is the dma-buf offset, as pyverbs 44 sets
+  iova); packets placed into memory of a GPU that does not order NIC writes
+  are counted until that GPU is flushed.
 - Fault injection: `pause(qpn)`, `fail_next(qpn, status)`, `cut(a, b)`, and
   `on_packet`, a hook run on the NIC thread before each packet's copy.
 
@@ -33,11 +42,16 @@ from __future__ import annotations
 import collections
 import ctypes
 import itertools
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import pdxfer.transport.verbs.sim.gpu as gpu_double  # absolute: `from . import` runs sim/__init__
+import pdxfer.transport.verbs.sim.net as net
 
 # Values as in rdma-core's ibv_wc_status / ibv_qp_state / ibv_wc_opcode (the
 # honesty test compares them with real pyverbs).
@@ -63,6 +77,9 @@ class MRState:
     length: int
     access: int
     live: bool = True
+    shift: int = 0  # host address = MR address + shift (a dma-buf MR's addresses are offsets)
+    gpu: int | None = None  # writes into it wait for this GPU's flush to be visible
+    unmap: Callable[[], None] | None = None  # what to release after it is invalidated
 
 
 @dataclass
@@ -88,6 +105,7 @@ class WQE:
     checked: bool = False
     deadline: float | None = None  # retry / RNR deadline while the responder cannot take it
     recv: Any = None  # the consumed receive WQE of a SEND
+    host: list = field(default_factory=list)  # [(host address, length)] of the SGEs, once checked
 
 
 @dataclass
@@ -102,6 +120,8 @@ class QPState:
     state: int = RESET
     access: int = 0
     dest: int = 0
+    port: tuple = ("", 0)  # (device, port number), set at INIT
+    ah: net.Ah = field(default_factory=net.Ah)  # the address vector, set at RTR
     rnr_retry: int = 7
     sq: collections.deque = field(default_factory=collections.deque)
     rq: collections.deque = field(default_factory=collections.deque)
@@ -113,10 +133,16 @@ class QPState:
 class Fabric:
     """One process-wide software RDMA fabric: MR and QP tables and the NIC thread."""
 
-    def __init__(self, *, max_qp_wr: int = 256, max_sge: int = 8, max_msg_sz: int = 1 << 20,
-                 max_cqe: int = 4096, packet: int = 64 << 10, retry_timeout: float = 0.5) -> None:
+    def __init__(self, topology: net.Topology | None = None, *, max_qp_wr: int = 256, max_sge: int = 8,
+                 max_msg_sz: int = 1 << 20, max_cqe: int = 4096, packet: int = 64 << 10,
+                 retry_timeout: float = 0.5) -> None:
         self.max_qp_wr, self.max_sge, self.max_msg_sz = max_qp_wr, max_sge, max_msg_sz
         self.max_cqe, self.packet, self.retry_timeout = max_cqe, packet, retry_timeout
+        self.net = net.Network(topology or net.Topology())
+        self.cuda = gpu_double.CudaDouble(self.net.topology.gpus)
+        self.sysfs = tempfile.mkdtemp(prefix="soft-verbs-sysfs-")  # the host's PCIe tree, as sysfs shows it
+        self.net.write_sysfs(self.sysfs)
+        self._closed = False
         self.lock = threading.Condition()
         self.mrs: dict[int, MRState] = {}
         self.qps: dict[int, QPState] = {}
@@ -153,9 +179,9 @@ class Fabric:
             self.lock.notify_all()
 
     # -- tables -------------------------------------------------------------
-    def add_mr(self, pd: object, addr: int, length: int, access: int) -> MRState:
+    def add_mr(self, pd: object, addr: int, length: int, access: int, **extra: Any) -> MRState:
         with self.lock:
-            mr = MRState(next(self._keys), pd, addr, length, access)
+            mr = MRState(next(self._keys), pd, addr, length, access, **extra)
             self.mrs[mr.key] = mr
             return mr
 
@@ -173,6 +199,8 @@ class Fabric:
                 self.closers_waiting -= 1
             mr.live = False
             self.mrs.pop(mr.key, None)
+        if mr.unmap is not None:
+            mr.unmap()
 
     def add_qp(self, pd: object, scq: CQState, rcq: CQState, cap: Any) -> QPState:
         with self.lock:
@@ -233,23 +261,38 @@ class Fabric:
                 out.append(entry[:-3])
             return out
 
+    def close(self) -> None:
+        """Stop the NIC thread and drop the host's fake sysfs and GPU memory (a fabric a test made)."""
+        with self.lock:
+            self._closed = True
+            self.lock.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(INFLIGHT_WAIT)
+        self.cuda.release_all()
+        shutil.rmtree(self.sysfs, ignore_errors=True)
+
     # -- the NIC thread -----------------------------------------------------
     def _run(self) -> None:
         while True:
             with self.lock:
                 job = self._next_job()
                 while job is None:
+                    if self._closed:
+                        return
                     if not self._changed:  # nothing moved: sleep until posted to, or a retry is due
                         self.lock.wait(0.01 if any(q.sq and q.sq[0].deadline for q in self.qps.values())
                                        else None)
                     job = self._next_job()
-            qp, key, dst, pieces = job
+            qp, key, dst, pieces, gpu = job
             hook = self.on_packet
             if hook is not None:
                 hook(qp.qpn, key)
             for src, n in pieces:
                 ctypes.memmove(dst, src, n)
                 dst += n
+            if gpu is not None:
+                self.cuda.placed(gpu)
             with self.lock:
                 self.inflight[key] -= 1
                 self.lock.notify_all()
@@ -280,12 +323,16 @@ class Fabric:
         if not w.checked:
             if w.total > self.max_msg_sz:
                 return self._fail(qp, w, LOC_LEN_ERR)
+            w.host = []
             for addr, n, lkey in w.sges:
                 mr = self.mrs.get(lkey)
                 if mr is None or mr.pd is not qp.pd or addr < mr.addr or addr + n > mr.addr + mr.length:
                     return self._fail(qp, w, LOC_PROT_ERR)
+                w.host.append((addr + mr.shift, n))
         resp = self.qps.get(qp.dest)
-        if resp is None or resp.state not in (RTR, RTS) or frozenset((qp.qpn, qp.dest)) in self.cuts:
+        if (resp is None or resp.state not in (RTR, RTS) or frozenset((qp.qpn, qp.dest)) in self.cuts
+                or not self.net.delivers(qp.port, qp.ah, resp.port)  # the request gets there
+                or not self.net.delivers(resp.port, resp.ah, qp.port)):  # and its ACK back
             return self._retry(qp, w, RETRY_EXC_ERR)
         if w.opcode == OP_WRITE:
             mr = self.mrs.get(w.rkey)
@@ -294,7 +341,7 @@ class Fabric:
                     or w.raddr + w.total > mr.addr + mr.length):
                 resp.state = ERR
                 return self._fail(qp, w, REM_ACCESS_ERR)
-            dst_key, dst = mr.key, w.raddr + w.done
+            dst_key, dst, gpu = mr.key, w.raddr + w.done + mr.shift, mr.gpu
         else:
             if w.recv is None:
                 if not resp.rq:
@@ -305,20 +352,21 @@ class Fabric:
                     self._complete(resp, w.recv, LOC_LEN_ERR, WC_RECV, 0, send=False)
                     resp.state = ERR
                     return self._fail(qp, w, REM_INV_REQ_ERR)
-            dst_key, dst = w.recv.sges[0][2], w.recv.sges[0][0] + w.done
-            if dst_key not in self.mrs:
+            mr = self.mrs.get(w.recv.sges[0][2])
+            if mr is None:
                 return self._fail(qp, w, REM_ACCESS_ERR)
+            dst_key, dst, gpu = mr.key, w.recv.sges[0][0] + w.done + mr.shift, mr.gpu
         w.checked, w.deadline = True, None
         if w.total == 0:
             self._after_packet(qp, w, 0)
             return None
         self.inflight[dst_key] += 1
-        return qp, dst_key, dst, self._pieces(w, min(self.packet, w.total - w.done))
+        return qp, dst_key, dst, self._pieces(w, min(self.packet, w.total - w.done)), gpu
 
     @staticmethod
     def _pieces(w: WQE, n: int) -> list[tuple[int, int]]:
         out, skip = [], w.done
-        for addr, length, _ in w.sges:
+        for addr, length in w.host:
             if skip >= length:
                 skip -= length
                 continue
@@ -379,16 +427,3 @@ class Fabric:
                 other.state = ERR
             return
         cq.entries.append((w.wr_id, status, opcode, nbytes, qp.qpn, qp, frees, send))
-
-
-_default: Fabric | None = None
-_default_lock = threading.Lock()
-
-
-def default_fabric() -> Fabric:
-    """The process's fabric: every soft verbs device in one process is on it."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Fabric()
-        return _default

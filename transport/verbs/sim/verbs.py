@@ -13,8 +13,11 @@ needs at least one SGE, `SendWR.sg_list` cannot be read back,
 refuses `post_send` with EINVAL. WR fields are copied when posted, as a WQE
 is; the linked list is walked through `next_wr` at `post_send`.
 
-Deliberately absent: devices other than `soft0`, CompChannel, MW, SRQ,
-extended QPs. `DmaBufMR` always fails with EOPNOTSUPP (no GPU here).
+Devices, ports and GID tables are the fabric's topology (`net.Topology`:
+one device `soft0` unless a test installs another host). `DmaBufMR` maps a
+dma-buf the fabric's CUDA double exported (`gpu.py`); any other fd fails
+with EOPNOTSUPP, as a NIC without dma-buf support does. Deliberately
+absent: CompChannel, MW, SRQ, extended QPs.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import errno
 import types
 from typing import Any
 
-import pdxfer.transport.verbs.sim.nic as nic  # absolute: `from . import` would depend on sim/__init__
+import pdxfer.transport.verbs.sim.current as current
+import pdxfer.transport.verbs.sim.gpu as gpu_double  # absolute: `from . import` runs sim/__init__
+import pdxfer.transport.verbs.sim.net as net
+import pdxfer.transport.verbs.sim.nic as nic
 
 
 class PyverbsError(Exception):
@@ -78,7 +84,7 @@ def cqe_status_to_str(status: int) -> str:
 
 def fabric() -> nic.Fabric:
     """The fabric the soft devices of this process sit on (for fault injection in tests)."""
-    return nic.default_fabric()
+    return current.default_fabric()
 
 
 class _Attrs:
@@ -98,7 +104,7 @@ class Device(_Attrs):
 
 
 def get_device_list() -> list[Device]:
-    return [Device()]
+    return [Device(name=n.name.encode()) for n in current.default_fabric().net.topology.nics]
 
 
 class DeviceAttr(_Attrs):
@@ -118,9 +124,9 @@ class GID:
 class Context:
     def __init__(self, name: str | bytes = "soft0") -> None:
         name = name.decode() if isinstance(name, bytes) else name
-        if name != "soft0":
+        self.fabric = current.default_fabric()
+        if self.fabric.net.nic(name) is None:
             raise PyverbsRDMAError(f"Failed to open device {name}", errno.ENODEV)
-        self.fabric = nic.default_fabric()
         self.name = name
         self.children: list[Any] = []
 
@@ -129,15 +135,27 @@ class Context:
         return DeviceAttr(max_qp_wr=f.max_qp_wr, max_sge=f.max_sge, max_cqe=f.max_cqe,
                           max_mr_size=1 << 40)
 
+    def _port(self, port_num: int) -> net.PortState:
+        found = self.fabric.net.ports.get((self.name, port_num))
+        if found is None:
+            raise PyverbsRDMAError(f"Failed to query port {port_num}", errno.EINVAL)
+        return found
+
     def query_port(self, port_num: int) -> PortAttr:
-        return PortAttr(state=4, active_mtu=5, lid=0, link_layer=2,
-                        max_msg_sz=self.fabric.max_msg_sz, gid_tbl_len=2)
+        p = self._port(port_num)
+        return PortAttr(state=4 if p.spec.active else 1, active_mtu=5, lid=p.spec.lid,
+                        link_layer=1 if p.spec.infiniband else 2, max_msg_sz=self.fabric.max_msg_sz,
+                        gid_tbl_len=len(p.gids) + 2)  # unpopulated entries too, as on a NIC
 
     def query_gid(self, port_num: int, index: int) -> GID:
-        return GID(f"fe80:0000:0000:0000:0000:ffff:7f00:{index + 1:04x}")
+        gids = self._port(port_num).gids
+        return GID(gids[index].text if index < len(gids) else None)
 
     def query_gid_type(self, port_num: int, index: int) -> int:
-        return 1  # RoCE v2
+        gids = self._port(port_num).gids
+        if index >= len(gids):
+            raise PyverbsRDMAError(f"Failed to query gid type of index {index}", errno.ENODATA)
+        return gids[index].kind
 
     def close(self) -> None:
         for child in reversed(self.children):
@@ -169,8 +187,28 @@ class MR:
 
 
 class DmaBufMR:
+    """An MR over a dma-buf: its address space is [offset, offset + length) (iova = offset, as v44)."""
+
     def __init__(self, pd: PD, length: int, access: int, dmabuf: int = -1, offset: int = 0) -> None:
-        raise PyverbsRDMAError("Failed to register a dma-buf MR", errno.EOPNOTSUPP)
+        fab = pd.context.fabric
+        try:
+            gpu = fab.cuda.gpu_of(dmabuf)
+        except OSError:
+            gpu = None
+        if gpu is None:
+            raise PyverbsRDMAError("Failed to register a dma-buf MR", errno.EOPNOTSUPP)
+        span = int(offset) + int(length)
+        host = gpu_double.map_fd(dmabuf, span)
+        self.sim_state = fab.add_mr(pd, int(offset), int(length), int(access), shift=host,
+                                    gpu=gpu if fab.cuda.staged(gpu) else None,
+                                    unmap=lambda: gpu_double.unmap(host, span))
+        self.fabric = fab
+        self.lkey = self.rkey = self.sim_state.key
+        self.length = int(length)
+        pd.context.children.append(self)
+
+    def close(self) -> None:
+        self.fabric.close_mr(self.sim_state)
 
 
 class WC(_Attrs):
@@ -213,13 +251,12 @@ class AHAttr(_Attrs):
     _defaults = {"dlid": 0, "sl": 0, "src_path_bits": 0, "static_rate": 0, "is_global": 0,
                  "port_num": 1, "gr": None}
 
-    @property
-    def dgid(self) -> str | None:  # pyverbs reads the GRH fields through the AH attr
-        return self.gr.dgid.gid if self.gr is not None else None
-
-    @property
-    def sgid_index(self) -> int:
-        return self.gr.sgid_index if self.gr is not None else 0
+    # pyverbs reads the GRH fields through the AH attr
+    dgid = property(lambda self: self.gr.dgid.gid if self.gr is not None else None)
+    sgid_index = property(lambda self: self.gr.sgid_index if self.gr is not None else 0)
+    hop_limit = property(lambda self: self.gr.hop_limit if self.gr is not None else 0)
+    traffic_class = property(lambda self: self.gr.traffic_class if self.gr is not None else 0)
+    flow_label = property(lambda self: self.gr.flow_label if self.gr is not None else 0)
 
 
 class QPAttr(_Attrs):
@@ -277,7 +314,7 @@ class QP:
         if (init_attr.qp_type != 2 or cap.max_send_wr > ctx.fabric.max_qp_wr
                 or cap.max_recv_wr > ctx.fabric.max_qp_wr or cap.max_send_sge > ctx.fabric.max_sge):
             raise PyverbsRDMAError("Failed to create QP", errno.EINVAL)
-        self.fabric = ctx.fabric
+        self.fabric, self.context = ctx.fabric, ctx
         self._sig_all = bool(init_attr.sq_sig_all)
         self.sim_state = ctx.fabric.add_qp(creator, init_attr.scq.sim_state, init_attr.rcq.sim_state, cap)
         self.qp_num = self.sim_state.qpn
@@ -295,11 +332,22 @@ class QP:
         s = self.sim_state
         if to == 1:
             s.access = qp_attr.qp_access_flags
+            s.port = (self.context.name, qp_attr.port_num)
         elif to == 2:
             s.dest = qp_attr.dest_qp_num
+            s.ah = self._ah(qp_attr.ah_attr)
         elif to == 3:
             s.rnr_retry = qp_attr.rnr_retry
         self.fabric.set_state(s, to)
+
+    def _ah(self, ah: AHAttr) -> net.Ah:
+        """The address vector, refused as a NIC refuses it: RoCE needs a GRH with a GID of the port."""
+        port = self.fabric.net.ports[self.sim_state.port]
+        if ah is None or (not port.spec.infiniband and not ah.is_global) or (
+                ah.is_global and not 0 <= ah.sgid_index < len(port.gids)):
+            raise PyverbsRDMAError("Failed to modify QP state to RTR", errno.EINVAL)
+        return net.Ah(bool(ah.is_global), ah.dgid or "", ah.sgid_index, ah.hop_limit, ah.traffic_class,
+                      ah.dlid, ah.sl, ah.port_num)
 
     def to_init(self, qp_attr: QPAttr) -> None:
         qp_attr.qp_state = 1

@@ -1,0 +1,205 @@
+"""The one place that touches UCXX: importing it cleanly, contexts and workers, tags, buffers, errors.
+
+Importing UCXX has side effects we undo here. `ucxx/__init__` (0.52) writes
+`UCX_MEMTYPE_CACHE`, `UCX_RNDV_THRESH=8192`, `UCX_RNDV_FRAG_MEM_TYPE=cuda` and
+`UCX_MAX_RNDV_RAILS=1` into `os.environ` when absent — process-wide, so every
+UCX context created afterwards would read them, NIXL's (which bundles its own
+UCX) included. We import UCXX with the `UCX_*` environment saved and put it
+back right after; what our own contexts need goes in as context options
+(`context`), never through the environment. The one variable we do set is
+UCX's log destination (`ucxenv.route_ucx_log`): libucs reads it when it
+loads, which is this import.
+
+Measured traps of UCXX's Python API that shape the backend (0.52):
+
+* a request does not keep its buffer alive: a temporary array handed to
+  `tag_send` was freed while UCX read it (garbage received, then a segfault).
+  Every posted run here is a view of a registered region, and the post's
+  record holds that region until the request completes.
+* `Endpoint.close()` (the request form) on an endpoint whose peer died,
+  then progress: segfault. Only `close_blocking()` is used, and only with
+  peer error handling on, where it is a bounded force-close.
+* no per-request cancel. Closing an endpoint cancels the receives posted on
+  it that are not yet matched (UCX's `ucp_request_cancel`);
+  `Worker.cancel_inflight_requests()` cancels only what UCXX scheduled after
+  an endpoint error — a receive posted on the worker stays posted, and a
+  matched receive keeps its worker alive (UCXX holds the worker through
+  every request). Why receives are posted on an endpoint and the fence
+  retires a whole per-link worker: the package docstring.
+* destroying a worker first receives every unexpected message, progressing
+  until each completes — forever, for a rendezvous from a stalled sender.
+  `release_worker` takes them off the unexpected queue first.
+
+Tags. One UCX worker serves one inbound link, so a tag only has to be unique
+within a link: transfer sequence number above `RUN_BITS`, run index below.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import ClosedError, PeerLostError, ProtocolError, TransportError
+from ..ucxenv import route_ucx_log
+
+route_ucx_log()
+_saved_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+try:
+    from ucxx._lib import libucxx as ucx  # noqa: E402  (runs ucxx/__init__: the env writes)
+    from ucxx._lib.arr import Array  # noqa: E402
+finally:
+    for _key in [k for k in os.environ if k.startswith("UCX_") and k not in _saved_env]:
+        del os.environ[_key]
+    os.environ.update(_saved_env)
+
+VERSION = ".".join(map(str, ucx.get_ucx_version()))  # the UCX under UCXX, e.g. "1.21.0"
+
+RUN_BITS = 20
+MAX_RUNS = 1 << RUN_BITS  # runs (coalesced rows) per transfer
+MAX_SEQ = 1 << (64 - RUN_BITS)
+FULL_TLS = "all"
+TLS_CHOICES = ("tcp", FULL_TLS)
+
+
+def tag(seq: int, run: int) -> Any:
+    """The UCX tag of run `run` of transfer `seq` on its link."""
+    return ucx.UCXXTag((seq << RUN_BITS) | run)
+
+
+def context(tls: str, device: str | None) -> Any:
+    """A UCX context for tag messages with wake-up support, restricted to `tls` (and `device`).
+
+    `tls="tcp"`: UCX's tcp transport only; `"all"`: UCX's own full list.
+    `device` (a network interface) becomes `NET_DEVICES`. Peer error
+    handling (asked per endpoint) then keeps only the transports that can
+    report a dead peer — on one host without a GPU that is tcp alone, even
+    for "all" (measured: UCX drops sysv/posix/cma; see docs/reliability.md).
+
+    Eager protocols only, unless UCX found a CUDA transport: UCX 1.21
+    segfaults when a peer dies during a rendezvous and no transport keeps a
+    registration cache (`ucs_rcache_region_invalidate(rcache=NULL)` from
+    `ucp_proto_rndv_rtr_abort`, seen here in the engine's SIGKILL test;
+    openucx/ucx#11467, fixed after 1.21.0 by #11485) — the case with tcp,
+    shared memory and cma. Deletion condition: the bundled UCX is 1.22 or
+    newer. With a CUDA transport rendezvous is kept: it is what moves GPU
+    memory without a bounce (whether that context keeps a cache, so that the
+    crash cannot happen there, is unverified: no GPU here).
+    """
+    config: dict[str, str] = {}
+    if tls != FULL_TLS:
+        config.update(TLS=tls, RNDV_THRESH="inf")  # tcp alone: no CUDA transport
+    if device:
+        config["NET_DEVICES"] = device
+    what = f"starting UCX with transports {tls!r}" + (f" on interface {device!r}" if device else "")
+    try:
+        ctx = ucx.UCXContext(config, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        # `cuda_support` says only that CUDA transports were asked for; the resource list
+        # says whether UCX found one (a GPU and its driver)
+        if "RNDV_THRESH" in config or "cuda" in ctx.info:
+            return ctx
+        del ctx
+        return ucx.UCXContext({**config, "RNDV_THRESH": "inf"},
+                              feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+    except Exception as exc:
+        raise translate(exc, what) from exc
+
+
+def worker(ctx: Any) -> Any:
+    """A worker of `ctx` in blocking progress mode (its epoll descriptor wakes our thread)."""
+    w = ucx.UCXWorker(ctx)
+    w.init_blocking_progress_mode()
+    return w
+
+
+def worker_address(w: Any) -> bytes:
+    return bytes(w.address)
+
+
+def endpoint(w: Any, address: bytes) -> Any:
+    """An endpoint of `w` to the worker at `address`, with UCX's peer error handling.
+
+    `address` comes from a peer (an inbound link's `Hello`, before anything
+    else is known of it), and UCX's address parser is not written for hostile
+    input: an unknown header version aborts the process
+    (`ucs_assertv_always(addr_version == V2)`, address.c; measured with random
+    bytes). So the header is checked here against our own worker's first —
+    a peer running another UCX address format is refused, not parsed.
+    What is left is UCX's own bounds handling (corrupted or truncated
+    addresses of the right version: some hundreds at random, no crash here).
+    """
+    own = bytes(w.address)[:1]
+    if not address or not own or (address[0] & 0x0F) != (own[0] & 0x0F):
+        raise ProtocolError(
+            f"the peer's UCX worker address ({len(address)} B, header "
+            f"{address[:1].hex() or 'none'}) is not in this UCX's format (header {own.hex()}); "
+            f"both sides must run the same UCX (here {VERSION})")
+    try:
+        peer = ucx.UCXAddress.create_from_buffer(address)
+        return ucx.UCXEndpoint.create_from_worker_address(w, peer, True)
+    except Exception as exc:
+        raise translate(exc, "connecting a UCX endpoint") from exc
+
+
+class CudaSpan:
+    """`nbytes` of device memory at `ptr`, in the form UCXX's `Array` takes for CUDA buffers."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,),
+                                         "typestr": "|u1", "version": 3, "strides": None}
+
+
+def buffer(region: Any, offset: int, nbytes: int) -> Any:
+    """`Array` over bytes `[offset, offset + nbytes)` of a registered region (host or CUDA)."""
+    if region.view is not None:
+        return Array(region.view[offset:offset + nbytes])
+    return Array(CudaSpan(region.start + offset, nbytes))
+
+
+def release_worker(w: Any) -> None:
+    """Drop every unexpected message of `w` (progress thread), so destroying it never waits.
+
+    After this, dropping the last reference destroys the worker without
+    progressing it — unless a receive of it is still under way (its endpoint
+    was closed, so only a matched one can be), which keeps it alive and
+    unprogressed (abandoned) for good.
+    """
+    w.cancel_inflight_requests()  # only what UCXX scheduled for cancelling (an endpoint's errors)
+    anything = ucx.UCXXTag(0)
+    mask = ucx.UCXXTagMask(0)
+    for _ in range(1 << 20):  # bounded: each call takes one message off a finite queue
+        if not w.tag_probe(anything, mask, True).matched:
+            break
+
+
+def status(req: Any) -> Exception | None:
+    """The UCXX error a completed request ended with, or None."""
+    try:
+        req.check_error()
+    except Exception as exc:  # UCXX's classes; `translate` maps them
+        return exc
+    return None
+
+
+def translate(exc: BaseException, what: str) -> TransportError:
+    """Our error for a UCXX exception raised while doing `what` (raise it `from exc`).
+
+    Its `__cause__` is set here too: a link severed with it (not raised) keeps the cause.
+    """
+    if isinstance(exc, TransportError):
+        return exc
+    out = _translate(exc, what)
+    out.__cause__ = exc
+    return out
+
+
+def _translate(exc: BaseException, what: str) -> TransportError:
+    if isinstance(exc, (ucx.UCXConnectionResetError, ucx.UCXEndpointTimeoutError,
+                        ucx.UCXUnreachableError, ucx.UCXNotConnectedError, ucx.UCXRejectedError)):
+        return PeerLostError(f"{what}: the peer is gone ({type(exc).__name__}: {exc})")
+    if isinstance(exc, ucx.UCXCanceledError):
+        return ClosedError(f"{what}: cancelled (the link was closed or fenced)")
+    if isinstance(exc, ucx.UCXMessageTruncatedError):
+        return ProtocolError(f"{what}: the peer sent more bytes than the run it announced ({exc})")
+    return TransportError(f"{what} failed in UCX: {type(exc).__name__}: {exc}")

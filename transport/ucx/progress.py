@@ -1,0 +1,236 @@
+"""The one thread that calls UCX: it owns every worker of an engine, posts, progresses, completes.
+
+Every UCXX call of an engine — creating workers and endpoints, posting tag
+sends and receives, progress, completion checks, closing endpoints and
+releasing workers — happens on this thread, so UCX is driven from one thread
+and no lock is ever held across a UCX call. Other threads hand it work with
+`call(fn)` (a queue append and a wake-up: never blocks) or, where they need
+the answer, `ask(fn, timeout)` (bounded).
+
+The loop: run queued calls; progress every worker; complete the batches
+whose requests all finished; then, if nothing is left to do, arm every
+worker (UCX's wake-up: `ucp_worker_arm`) and sleep in `poll` on their
+epoll descriptors and our wake pipe. No timer drives it: an idle engine
+sleeps.
+
+A `Batch` is the requests of one transfer on one worker: its callback runs
+(on this thread, so it must only hand work on) once all completed, with the
+first error among them, if any. Completion is checked in request order and
+stops at the first unfinished one, so a pass costs one check per batch.
+
+`retire(worker)` is the fence's core: after it, this thread never progresses
+that worker again — so nothing lands through it — and its batches are
+dropped without their callbacks (their link is gone).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pdxfer.transport.ucx.lib as lib  # absolute: `from . import` depends on ucx/__init__
+
+from ..errors import ClosedError, TransferTimeout
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 200  # a safety net only: every event that matters wakes the poll
+JOIN_TIMEOUT = 2.0
+
+
+class Batch:
+    """The UCX requests of one transfer on one worker, and what to do when they are all done."""
+
+    __slots__ = ("done", "hold", "next", "requests", "worker")
+
+    def __init__(self, worker: Any, requests: list[Any], done: Callable[[Exception | None], None],
+                 hold: Any = None) -> None:
+        self.worker = worker
+        self.requests = requests
+        self.done = done
+        self.hold = hold  # what must stay alive while UCX uses it (the regions)
+        self.next = 0
+
+    def finished(self) -> tuple[bool, Exception | None]:
+        """`(all done, first error)`; checks from where the last pass stopped."""
+        reqs = self.requests
+        while self.next < len(reqs):
+            req = reqs[self.next]
+            if not req.completed:
+                return False, None
+            error = lib.status(req)
+            if error is not None:
+                return True, error
+            self.next += 1
+        return True, None
+
+
+class Progress:
+    """An engine's UCX thread; `call`/`ask` hand it work, `stop` ends it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: collections.deque[Callable[[], None]] = collections.deque()
+        self._workers: dict[int, Any] = {}  # id(worker) -> worker, progressed every pass
+        self._batches: list[Batch] = []
+        self._poll = select.poll()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poll.register(self._wake_r, select.POLLIN)
+        self._stopping = False  # stop asked: exit once nothing is queued
+        self._closed = False  # the loop ended: `call` refuses (under `_lock`)
+        self._lock = threading.Lock()
+        self.abandoned = 0  # retired workers UCXX keeps alive through a matched receive
+        self._thread = threading.Thread(target=self._run, name=f"{name}-progress", daemon=True)
+        self._thread.start()
+
+    # -- handing work over ---------------------------------------------------------
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the progress thread, in call order. Never blocks.
+
+        `ClosedError` once the thread has ended: then no worker is progressed
+        any more, which is all a caller retiring one needs to know.
+        """
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"{self._name}'s UCX thread has ended")
+            self._queue.append(fn)
+        self.kick()
+
+    def ask(self, fn: Callable[[], Any], timeout: float, what: str) -> Any:
+        """Run `fn` on the progress thread and return its result (or raise its error), bounded."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        done = threading.Event()
+        box: list[Any] = [None, None]
+
+        def run() -> None:
+            try:
+                box[0] = fn()
+            except BaseException as exc:  # handed back to the asking thread
+                box[1] = exc
+            done.set()
+
+        self.call(run)
+        if not done.wait(timeout):
+            raise TransferTimeout(f"{self._name}: {what} did not finish within {timeout} s")
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def kick(self) -> None:
+        try:
+            os.write(self._wake_w, b"!")
+        except BlockingIOError:
+            pass  # the pipe is full: the thread is awake anyway
+        except OSError:
+            pass  # closed: the thread is gone
+
+    @property
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs (False once `stop` ended it)."""
+        return self._thread.is_alive()
+
+    # -- thread-side API (called from `call`ed functions) ----------------------------------
+    def adopt(self, worker: Any) -> None:
+        """Progress `worker` from now on."""
+        self._workers[id(worker)] = worker
+        self._poll.register(worker.epoll_file_descriptor, select.POLLIN)
+
+    def track(self, batch: Batch) -> None:
+        """Complete `batch` once its requests are done."""
+        self._batches.append(batch)
+
+    def retire(self, worker: Any) -> int:
+        """Never progress `worker` again; forget its batches (their callbacks never run).
+
+        Returns how many of its receives were already matched and unfinished:
+        those keep the worker allocated (UCXX holds it through them) but, never
+        progressed, it moves no byte — it is abandoned until the process exits.
+        """
+        if self._workers.pop(id(worker), None) is not None:
+            self._poll.unregister(worker.epoll_file_descriptor)
+        mine = [b for b in self._batches if b.worker is worker]
+        self._batches = [b for b in self._batches if b.worker is not worker]
+        lib.release_worker(worker)  # cancels what is unmatched: those complete at once
+        stuck = sum(1 for b in mine for req in b.requests[b.next:] if not req.completed)
+        if stuck:
+            self.abandoned += 1
+        return stuck
+
+    # -- the loop ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            ran = self._run_calls()
+            if self._stopping and not self._queue:
+                with self._lock:
+                    self._closed = True
+                self._run_calls()  # what was queued before `call` could refuse; no progress after
+                return
+            for worker in list(self._workers.values()):
+                worker.progress()
+            self._complete()
+            if ran or self._queue:
+                continue
+            if all(worker.arm() for worker in list(self._workers.values())):
+                self._poll.poll(IDLE_POLL_MS)
+                self._drain_wake()
+
+    def _run_calls(self) -> bool:
+        ran = False
+        while self._queue:
+            fn = self._queue.popleft()
+            ran = True
+            try:
+                fn()
+            except Exception:  # a caller's bug must not stop the engine's only UCX thread
+                log.exception("%s: a queued call failed", self._name)
+        return ran
+
+    def _complete(self) -> None:
+        if not self._batches:
+            return
+        keep: list[Batch] = []
+        finished: list[tuple[Batch, Exception | None]] = []
+        for batch in self._batches:
+            done, error = batch.finished()
+            if done:
+                finished.append((batch, error))
+            else:
+                keep.append(batch)
+        self._batches = keep
+        for batch, error in finished:
+            try:
+                batch.done(error)
+            except Exception:
+                log.exception("%s: a completion callback failed", self._name)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # -- shutdown ---------------------------------------------------------------------------
+    def stop(self) -> bool:
+        """Run what is queued, then end the thread (joined, bounded); False if it did not end."""
+        self._stopping = True
+        self.kick()
+        if not self.on_thread:
+            self._thread.join(JOIN_TIMEOUT)
+        ended = not self._thread.is_alive()
+        if ended:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        return ended
