@@ -36,6 +36,7 @@ _COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
         "elastic": ("pdxfer.bench.elastic", "moving a page/state pool boundary: relocation GB/s, entries moved"),
         "directory": ("pdxfer.bench.directory",
                       "peer directory on etcd: registrations/s, resolve latency, departure seen"),
+        "peers": ("pdxfer.bench.peers", "one prefill, 1..128 decode peers: req/s, p99, memory and threads"),
     },
 }
 

@@ -32,6 +32,7 @@ from that prefill (`has_peer`, asked each tick). docs/reliability.md, #11.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -66,6 +67,9 @@ class DecodeEngine(Dials, Engine):
                  directory: Any = None) -> None:
         self._sessions: dict[str, PrefillPeer] = {}
         self._xids = itertools.count(1)
+        # Notifies the transport handed over, applied in bursts by the progress thread.
+        self._landed: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._landing = False  # a turn of `_apply_landed` is queued
         # A `pdxfer.directory.PeerDirectory` (or anything with its resolve /
         # layout / subscribe): re-resolves a stale record, describes a
         # prefill's pools before dialing, and says when a prefill was replaced.
@@ -208,24 +212,47 @@ class DecodeEngine(Dials, Engine):
                 session.waiting.append(req)
 
     def _on_notify(self, sender: str, payload: bytes) -> None:
-        """Transport thread: one transfer of some request landed. Short; never blocks."""
-        try:
-            msg = decode_notify(payload)
-        except ProtocolError as exc:
-            log.warning("pdxfer decode: dropping a malformed notify from %s: %s", sender, exc)
+        """Transport thread: one transfer of some request landed. Queued; never blocks.
+
+        The progress thread applies every payload queued meanwhile under one
+        hold of the table lock (`_apply_landed`, #23): the transport's thread
+        goes straight back to moving bytes and never takes the table lock, so
+        it is not handed back and forth between it, the progress thread and
+        the callers, and a burst of notifies costs one wake-up and one lock.
+        """
+        self._landed.append((sender, payload))
+        if not self._landing:
+            self._landing = True
+            self._progress.call(self._apply_landed)
+
+    def _apply_landed(self) -> None:
+        """Progress thread: the queued notifies, decoded, then applied under one hold of the lock.
+
+        A notify queued before a fence and applied after it finds its request
+        Failed and is ignored (notifies count only while it may still receive).
+        """
+        self._landing = False  # first: a notify queued from now on schedules another turn
+        msgs = []
+        while self._landed:
+            sender, payload = self._landed.popleft()
+            try:
+                msgs.append((sender, decode_notify(payload)))
+            except ProtocolError as exc:
+                log.warning("pdxfer decode: dropping a malformed notify from %s: %s", sender, exc)
+        if not msgs:
             return
+        now = time.monotonic()
         with self._lock:
-            req = self._table.find(msg.request)
-            if (not isinstance(req, DecodeRequest) or req.life.xid != msg.xid or req.session is None
-                    or req.session.engine != sender):
-                return  # stale (an earlier use of the id) or not from its prefill
-            if req.life.phase in (DPhase.EXPECTED, DPhase.RECEIVING):
-                req.nbytes += msg.nbytes
-                req.segments += msg.segments
-                req.transfers += 1
-            self._apply(req, req.life.on_landed(msg.chunk, msg.part, msg.parts, msg.last,
-                                                time.monotonic()))
-        self._progress.kick()
+            for sender, msg in msgs:
+                req = self._table.find(msg.request)
+                if (not isinstance(req, DecodeRequest) or req.life.xid != msg.xid
+                        or req.session is None or req.session.engine != sender):
+                    continue  # stale (an earlier use of the id) or not from its prefill
+                if req.life.phase in (DPhase.EXPECTED, DPhase.RECEIVING):
+                    req.nbytes += msg.nbytes
+                    req.segments += msg.segments
+                    req.transfers += 1
+                self._apply(req, req.life.on_landed(msg.chunk, msg.part, msg.parts, msg.last, now))
 
     # -- control messages (progress thread) -----------------------------------------
     def _on_message(self, link: Link, msg: Any) -> None:

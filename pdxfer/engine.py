@@ -134,6 +134,17 @@ class Engine:
         exc.__cause__ = out.cause
         return exc
 
+    def usage(self) -> dict[str, int]:
+        """What this engine holds now: its request records and its transport's links and memory.
+
+        `requests` (records not yet released) plus the transport's
+        `TransportEngine.usage()` — links, bounce and scratch bytes,
+        registrations: the figures `pdxfer bench peers` follows as peers grow.
+        """
+        with self._lock:
+            requests = len(self._table)
+        return {"requests": requests, **self._transport.usage()}
+
     # -- elastic pools ------------------------------------------------------------
     def resize(self, pools: layout.ElasticPools, boundary: int, used: Any, *,
                wait: float | None = None) -> ResizeReport:

@@ -186,6 +186,17 @@ class TransportEngine(abc.ABC):
         del engine_id
         return True
 
+    def usage(self) -> dict[str, int]:
+        """What this engine holds now, as counts and bytes (#23: memory that must not grow with peers).
+
+        The kit's engines report `links_out`, `links_in`, `threads` (Python
+        threads of this process, for scale), `device_scratch_bytes` and each
+        backend's own: tcp `bounce_bytes` (pinned once CUDA memory is
+        registered), nixl `registrations` and `prepared_descriptors`. A
+        backend outside the kit may report nothing.
+        """
+        return {}
+
     @abc.abstractmethod
     def close(self) -> None:
         """Fail in-flight work, stop and join its threads (bounded), deregister everything.

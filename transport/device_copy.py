@@ -19,9 +19,24 @@ One `index_select` gathers the source cells and one `index_copy_` scatters
 them: when one side's cells are back to back (the bounce buffer, a
 contiguous destination), that side is a plain slice and the bytes move
 once (`index_select(out=)` or `index_copy_` from the slice); otherwise
-through a temporary bounded by `MAX_BATCH_BYTES`. Index size is bounded
-too (`MAX_CELLS` per op), so a misaligned table (small `g`) becomes a few
-ops rather than an index larger than its data.
+through a temporary. Index size is bounded too (`MAX_CELLS` per op), so a
+misaligned table (small `g`) becomes a few ops rather than an index larger
+than its data.
+
+Device temporaries are bounded per engine, not per copy (#23). A GPU pool
+may fill 90 % of the device, and every copy thread allocating its own
+temporaries (on its own stream, whose freed blocks torch's caching allocator
+keeps for that stream) grows with the links that copy at once. So an engine
+owns one `Scratch` per device (`Scratches`, `DEFAULT_SCRATCH_BYTES`,
+allocated on its first use) holding every device temporary an op needs —
+the uploaded cell indices and, where neither side is a run, the gathered
+values — and `plan_copy` cuts a table into ops that fit it (a copy that
+needs more is split). One copy at a time uses an engine's scratch on a
+device (`Scratches.lease`, a bounded wait, held until the copy's stream has
+finished with it). Host-only copies need no scratch. The budget is the
+whole of an engine's device temporaries whatever the number of peers;
+`tests/transport/test_device_copy.py` runs the scratch path on CPU tensors,
+byte for byte.
 
 Nothing outside a row is written: each cell index lists exactly the cells
 of the table's rows, and the caller (`segments.check_table`) has already
@@ -34,12 +49,16 @@ enqueues on the current stream.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .copying import coalesce
+from .errors import TransferTimeout
 
 # At most this many rows after merging are copied as slices: a launch each,
 # cheaper than planning and uploading an index for so few.
@@ -47,9 +66,14 @@ FEW_ROWS = 8
 # Largest cell: bigger granules add nothing (a 4 MiB row as one cell is
 # already one index entry) and keep the grid's row count meaningful.
 MAX_CELL = 1 << 20
-# Per op: index entries (8 B each, uploaded to the device) and temporary bytes.
+# Per op: index entries (8 B each, uploaded to the device).
 MAX_CELLS = 1 << 20
-MAX_BATCH_BYTES = 256 << 20
+# One engine's device temporaries per device (indices and gathered values of
+# every op). Must hold the worst op of one cell of MAX_CELL bytes.
+DEFAULT_SCRATCH_BYTES = 64 << 20
+MIN_SCRATCH_BYTES = 4 * (MAX_CELL + 16)
+# Temporaries of one cell: its values (g bytes) and one int64 index entry per side.
+_INDEX_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -65,6 +89,18 @@ class Batch:
     dst_cells: np.ndarray | None
     src_run: tuple[int, int] | None
     dst_run: tuple[int, int] | None
+
+    @property
+    def cells(self) -> int:
+        """Cells this op moves."""
+        return self.src_run[1] if self.src_run is not None else int(self.src_cells.shape[0])
+
+    @property
+    def temp_bytes(self) -> int:
+        """The most temporary memory this op can need on one device: its indices and values."""
+        if self.src_run is not None and self.dst_run is not None:
+            return 0  # one plain copy, across devices too
+        return self.cells * (self.cell + _INDEX_BYTES)
 
 
 @dataclass(frozen=True)
@@ -101,12 +137,13 @@ def _run(offsets: np.ndarray, counts: np.ndarray, g: int) -> tuple[int, int] | N
     return int(offsets[0]) // g, int(counts.sum())
 
 
-def plan_copy(table: np.ndarray) -> CopyPlan:
+def plan_copy(table: np.ndarray, temp_bytes: int = DEFAULT_SCRATCH_BYTES) -> CopyPlan:
     """The batched ops that copy a checked `[n, 3]` table `(src, dst, nbytes)`.
 
     Pure array arithmetic on the CPU; the Python work is per op, never per
     row. Exists apart from `run_copy` so the planning is tested (and
-    counted) without a device.
+    counted) without a device. Every op's temporaries (`Batch.temp_bytes`)
+    fit in `temp_bytes`: a table that needs more is cut into more ops.
     """
     rows = coalesce(np.asarray(table, dtype=np.int64).reshape(-1, 3))
     rows = rows[rows[:, 2] > 0]
@@ -114,7 +151,8 @@ def plan_copy(table: np.ndarray) -> CopyPlan:
         return CopyPlan(rows, ())
     g = _granule(rows)
     counts = rows[:, 2] // g
-    per_op = max(1, min(MAX_CELLS, MAX_BATCH_BYTES // g))
+    # A group may end one row past its share (below): two shares fit the budget.
+    per_op = max(1, min(MAX_CELLS, temp_bytes // (2 * (g + _INDEX_BYTES))))
     # Cut the rows into consecutive groups of at most `per_op` cells (a row
     # longer than that is a group alone: its cells are consecutive anyway).
     cum = np.cumsum(counts)
@@ -151,26 +189,31 @@ def _word(src: torch.Tensor, dst: torch.Tensor, g: int) -> torch.dtype:
     return torch.uint8
 
 
-def run_copy(src: torch.Tensor, dst: torch.Tensor, plan: CopyPlan) -> None:
+def run_copy(src: torch.Tensor, dst: torch.Tensor, plan: CopyPlan, scratch: Scratch | None = None) -> None:
     """Enqueue `plan`'s ops copying flat uint8 `src` into flat uint8 `dst` (any devices).
 
     On CUDA the ops go on the current stream and return at once; the
     caller synchronises (see `transport.streams`). On CPU they run now.
+    With `scratch`, every temporary on the scratch's device (indices,
+    gathered values) is carved from it instead of allocated; the caller
+    holds its lease until the stream is done (`Scratches.lease`).
     """
     for s, d, n in plan.slices.tolist():
         dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
     for b in plan.batches:
         word = _word(src, dst, b.cell)
         sgrid, dgrid = _grid(src, b.cell, word), _grid(dst, b.cell, word)
+        temps = _Temps(scratch, b, word)
         if b.src_run is not None:
             a, k = b.src_run
             values = sgrid[a:a + k]
         elif b.dst_run is not None and src.device == dst.device:
             c, k = b.dst_run  # gather straight into place: the bytes move once
-            torch.index_select(sgrid, 0, _index(b.src_cells, src.device), out=dgrid[c:c + k])
+            torch.index_select(sgrid, 0, temps.index(b.src_cells, src.device), out=dgrid[c:c + k])
             continue
         else:
-            values = sgrid.index_select(0, _index(b.src_cells, src.device))
+            index = temps.index(b.src_cells, src.device)
+            values = torch.index_select(sgrid, 0, index, out=temps.values(src.device, sgrid))
         if b.dst_run is not None:
             c, k = b.dst_run  # stream-ordered, also across devices
             dgrid[c:c + k].copy_(values, non_blocking=True)
@@ -179,15 +222,122 @@ def run_copy(src: torch.Tensor, dst: torch.Tensor, plan: CopyPlan) -> None:
             # Host->device may be asynchronous (ordered on the stream before
             # the scatter); device->host must have landed before the CPU
             # scatter reads it, so it blocks (on this stream only).
-            values = values.to(dst.device, non_blocking=dst.device.type == "cuda")
-        dgrid.index_copy_(0, _index(b.dst_cells, dst.device), values)
+            moved = temps.values(dst.device, dgrid)
+            if moved is None:
+                values = values.to(dst.device, non_blocking=dst.device.type == "cuda")
+            else:
+                values = moved.copy_(values, non_blocking=dst.device.type == "cuda")
+        dgrid.index_copy_(0, temps.index(b.dst_cells, dst.device), values)
 
 
-def _index(cells: np.ndarray | None, device: torch.device) -> torch.Tensor:
-    assert cells is not None  # plan_copy builds an index for every side that is not a run
-    return torch.from_numpy(cells).to(device, non_blocking=True)
+class _Temps:
+    """One op's temporaries: from the scratch on its device, else allocated as before.
+
+    Layout in the scratch: the values (cells x cell bytes) first, then one
+    int64 index per side — `Batch.temp_bytes` plus at most 7 B of alignment,
+    which `plan_copy` kept within the scratch (a group stays at least one
+    cell's temporaries under the budget).
+    """
+
+    def __init__(self, scratch: Scratch | None, batch: Batch, word: torch.dtype) -> None:
+        self.scratch, self.batch, self.word = scratch, batch, word
+        self.next_index = -(-batch.cells * batch.cell // 8) * 8  # after the values, 8-aligned
+
+    def _mine(self, device: torch.device) -> bool:
+        return self.scratch is not None and self.scratch.device == device
+
+    def index(self, cells: np.ndarray | None, device: torch.device) -> torch.Tensor:
+        assert cells is not None  # plan_copy builds an index for every side that is not a run
+        if not self._mine(device):
+            return torch.from_numpy(cells).to(device, non_blocking=True)
+        n = cells.shape[0]
+        at, self.next_index = self.next_index, self.next_index + 8 * n
+        out = self.scratch.buf[at:at + 8 * n].view(torch.int64)
+        return out.copy_(torch.from_numpy(cells))
+
+    def values(self, device: torch.device, like: torch.Tensor) -> torch.Tensor | None:
+        """Room for the op's gathered values on `device`, shaped as rows of `like` (None: allocate)."""
+        if not self._mine(device):
+            return None
+        b = self.batch
+        return self.scratch.buf[:b.cells * b.cell].view(self.word).view(b.cells, like.shape[1])
 
 
-def copy_rows(src: torch.Tensor, dst: torch.Tensor, table: np.ndarray) -> None:
-    """`run_copy(src, dst, plan_copy(table))`: the one call the backends make."""
-    run_copy(src, dst, plan_copy(table))
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, table: np.ndarray,
+              scratch: Scratch | None = None) -> None:
+    """`run_copy(src, dst, plan_copy(table, ...), scratch)`: the one call the backends make."""
+    budget = scratch.nbytes if scratch is not None else DEFAULT_SCRATCH_BYTES
+    run_copy(src, dst, plan_copy(table, budget), scratch)
+
+
+Allocate = Callable[[int, torch.device], torch.Tensor]
+
+
+def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+class Scratch:
+    """One device's temporaries for one engine: a fixed buffer, used by one copy at a time."""
+
+    def __init__(self, device: torch.device, nbytes: int, allocate: Allocate) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.buf = allocate(nbytes, device)
+        self.lock = threading.Lock()
+
+
+class Scratches:
+    """One engine's device scratches, one per device, each `nbytes` (made on first use).
+
+    `allocate(nbytes, device)` is a seam for tests; `allocated_bytes` is the
+    whole of this engine's device temporaries.
+    """
+
+    def __init__(self, nbytes: int = DEFAULT_SCRATCH_BYTES, allocate: Allocate | None = None) -> None:
+        if nbytes < MIN_SCRATCH_BYTES:
+            raise ValueError(f"a device scratch of {nbytes} B cannot hold one op's worst cell; "
+                             f"give it at least {MIN_SCRATCH_BYTES} B")
+        self.nbytes = nbytes
+        self._allocate = allocate or _allocate
+        self._lock = threading.Lock()
+        self._by_device: dict[torch.device, Scratch] = {}
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of every scratch made so far (one per device used)."""
+        with self._lock:
+            return len(self._by_device) * self.nbytes
+
+    def get(self, device: torch.device) -> Scratch:
+        """`device`'s scratch, allocated on first use."""
+        with self._lock:
+            found = self._by_device.get(device)
+            if found is None:
+                found = self._by_device[device] = Scratch(device, self.nbytes, self._allocate)
+            return found
+
+    @contextmanager
+    def lease(self, device: torch.device, timeout: float, *,
+              host: bool = False) -> Iterator[Scratch | None]:
+        """The scratch of `device` for one copy; hold it until the copy's stream is done.
+
+        Host copies need none (`None`), unless `host=True` (tests run the
+        scratch path on CPU tensors). Another copy of this engine on the same
+        device is waited for at most `timeout` s (local device work), then
+        `TransferTimeout`.
+        """
+        if device.type != "cuda" and not host:
+            yield None
+            return
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        scratch = self.get(device)
+        if not scratch.lock.acquire(timeout=timeout):
+            raise TransferTimeout(
+                f"the engine's device scratch on {device} was not free within {timeout} s; "
+                "another copy of this engine holds it (a stalled device?)")
+        try:
+            yield scratch
+        finally:
+            scratch.lock.release()

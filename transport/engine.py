@@ -23,6 +23,9 @@
 * **the fence refusal.** `drop_peer` raises `CapabilityError` whenever
   `capabilities.fence` is False — derived from the flag, so no backend can
   declare "cannot fence" and return from `drop_peer` anyway (#25 item 6).
+* **device temporaries** (`device_copy.Scratches`): one bounded scratch per
+  CUDA device for every batched device copy the engine's links make
+  (loopback's CUDA path, tcp's bounce), allocated on first use.
 * **the listener** (`listener.Listener`, IPv4/IPv6, pending cap, deadlines,
   pre-handshake frame cap) for every backend that listens, and the dials in
   progress (`dial.Dials`), which `close()` ends.
@@ -51,6 +54,7 @@ from typing import Any, ClassVar
 import torch
 
 from .base import Capabilities, Connection, LocalRegion, NotifyHandler, TransportEngine
+from .device_copy import Scratches
 from .dial import Dials
 from .errors import CapabilityError, ClosedError, RegistrationError
 from .inbound import InboundTable
@@ -181,6 +185,7 @@ class EngineBase(TransportEngine):
         self.inbound = InboundTable(self.name, self._notify)
         self.outbound = Outbound()
         self.readiness = Readiness(self.engine_id)
+        self.scratches = Scratches()  # device temporaries, bounded per engine (made on first use)
         self.dials = Dials()
         self.listener: Listener | None = None
         self._handler: NotifyHandler | None = None
@@ -271,6 +276,17 @@ class EngineBase(TransportEngine):
 
     def has_peer(self, engine_id: str) -> bool:
         return self.inbound.has_peer(engine_id)
+
+    def usage(self) -> dict[str, int]:
+        out = {"links_out": len(self.outbound.links()), "links_in": len(self.inbound.links()),
+               "threads": threading.active_count(),
+               "device_scratch_bytes": self.scratches.allocated_bytes}
+        out.update(self.backend_usage())
+        return out
+
+    def backend_usage(self) -> dict[str, int]:
+        """The backend's own entries of `usage()`."""
+        return {}
 
     # -- listening -----------------------------------------------------------------
     def listen(self, host: str, port: int, max_pending: int) -> None:

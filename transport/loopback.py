@@ -22,8 +22,10 @@ the worker and a few helper threads (its module docstring has the
 measurements); a copy in progress finishes on every thread before the
 worker releases the guard, so the fence covers helpers too. Anything
 involving CUDA memory goes through `device_copy` (a few batched ops per
-table) on the link's own copy stream; the write completes once that
-stream's event says those copies landed (`transport.streams`).
+table) on the link's own copy stream, its temporaries in the sending
+engine's bounded device scratch (`EngineBase.scratches`, one copy at a time
+per device); the write completes once that stream's event says those copies
+landed (`transport.streams`).
 
 Options: `host` and `connect_timeout` are accepted by contract (a deployment
 passes one set to any backend) and unused — there is no socket and connect
@@ -44,7 +46,7 @@ import numpy as np
 
 from .base import Capabilities
 from .copying import CopyPool
-from .device_copy import copy_rows
+from .device_copy import Scratches, copy_rows
 from .engine import EngineBase
 from .errors import CapabilityError, PeerLostError, TransportError
 from .inbound import InboundLink, InboundTable
@@ -61,14 +63,16 @@ _ENGINES: weakref.WeakValueDictionary[str, LoopbackEngine] = weakref.WeakValueDi
 
 
 def move(copier: CopyPool, src: Region, dst: Region, table: np.ndarray, ready: Any,
-         stream: CopyStream) -> None:
+         stream: CopyStream, scratches: Scratches, timeout: float) -> None:
     """Copy a checked table from `src` to `dst`: CPU through the pool, CUDA on the link's stream."""
     if table.shape[0] == 0:
         return
     if src.array is None or dst.array is None:
         # After the producer's event, on this link's copy stream, a few batched
         # ops; returns once exactly those landed (transport.streams).
-        stream.run(cuda_device(src.data, dst.data), ready, lambda: copy_rows(src.data, dst.data, table))
+        device = cuda_device(src.data, dst.data)
+        with scratches.lease(device, timeout) as scratch:
+            stream.run(device, ready, lambda: copy_rows(src.data, dst.data, table, scratch))
         return
     copier.copy(src.array, dst.array, table)
 
@@ -89,10 +93,11 @@ class LoopbackLink(Link):
     """A link from one loopback engine to another, with its own ordered worker."""
 
     def __init__(self, ctx: LinkContext, peer: str, target: RegionTable, inbound: InboundTable,
-                 copier: CopyPool) -> None:
+                 copier: CopyPool, scratches: Scratches) -> None:
         super().__init__(ctx, peer, f"loopback engine {peer}")
         self._target = target
         self._copier = copier
+        self._scratches = scratches
         self._cond = threading.Condition(self.lock)
         self._work: collections.deque[Post] = collections.deque()
         self._copies = CopyStream()  # this worker's own CUDA stream(s)
@@ -147,7 +152,8 @@ class LoopbackLink(Link):
                 with arrival.guard:  # a fence waits out this copy, and none starts after it
                     if arrival.dead or self.error is not None:
                         return
-                    move(self._copier, post.src, post.dst.info, post.table, post.ready, self._copies)
+                    move(self._copier, post.src, post.dst.info, post.table, post.ready, self._copies,
+                         self._scratches, self.ctx.connect_timeout)
             except Exception as exc:  # a copy failing is a bug or a device fault
                 if self.error is not None:  # failing as the link closes: its handles failed with it
                     return
@@ -192,7 +198,8 @@ class LoopbackEngine(EngineBase):
         peer = _ENGINES.get(address["engine"])
         if peer is None or peer.closed:
             raise PeerLostError(f"no live loopback engine {address['engine']!r} in this process")
-        link = LoopbackLink(self.link_context(), peer.engine_id, peer.regions, peer.inbound, self._copier)
+        link = LoopbackLink(self.link_context(), peer.engine_id, peer.regions, peer.inbound,
+                            self._copier, self.scratches)
         if peer.closed:  # closed while we built it: the arrival was refused or fenced
             link.sever(PeerLostError(f"loopback engine {peer.engine_id} closed"))
         return link

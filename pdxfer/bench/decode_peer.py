@@ -28,7 +28,7 @@ import torch
 from ..config import EngineConfig, KVPoll
 from . import workload
 
-OPS = ("open", "expect", "wait", "stats", "release", "bare", "reset")
+OPS = ("open", "expect", "wait", "stats", "release", "bare", "reset", "cpu")
 
 
 def entries_crc(pools: dict[str, Any], indices: dict[str, Any]) -> int:
@@ -86,6 +86,10 @@ class DecodeSide:
                 "descriptors": {p: [eng.register(b).descriptor() for b in layout.arena_buffers(a)]
                                 for p, a in self._bare_pools.items()}}
 
+    def cpu(self) -> float:
+        """CPU seconds this process has used (every thread): what `bench engine` charges per request."""
+        return time.process_time()
+
     def release(self, rids: list[str]) -> None:
         for rid in rids:
             self.engine.release(rid)
@@ -110,6 +114,8 @@ class LocalDecode:
         self.side = DecodeSide()
 
     def call(self, op: str, **kw: Any) -> Any:
+        if op == "cpu":
+            return 0.0  # the same process: its CPU is already counted on the prefill's side
         return getattr(self.side, op)(**kw)
 
     def close(self) -> None:

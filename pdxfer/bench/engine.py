@@ -17,6 +17,10 @@ For requests of 16 KV pages + 1 state entry, per backend and per KV layout
 - `req/s`: end-to-end throughput with the engine (send through decode
   Success and prefill Success) and with the bare transport (post through
   completion), `--batch` requests in flight;
+- `cpu us/req`: CPU both processes spent (every thread: `process_time`)
+  per request inside those same windows, engine and bare; on a machine
+  whose cores are shared this is the steadier figure, and on a CPU-bound
+  host their ratio bounds the requests/s ratio;
 - `segments`: segments per request, checked equal to the contiguous runs the
   request names (entry-major: one per run of pages + one state entry;
   layer-major: one per field x layer x run).
@@ -69,7 +73,7 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, decode: Any,
     cfg = EngineConfig(transport=backend, timeout=30.0)
     kv_n, st_n = entries
     prefill = PrefillEngine(workload.pools(kind, kv_n, st_n), cfg)
-    rows, busy, segs, transfers = [], 0.0, [], set()
+    rows, busy, cpu, segs, transfers = [], 0.0, 0.0, [], set()
     # CPU time of the calling thread inside the engine's own routes and connection
     plan, write = Split(time.thread_time), Split(time.thread_time)
     probed = False
@@ -91,6 +95,7 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, decode: Any,
             if not probed:  # every Expect is there, so the data connection is open
                 probe_prefill(prefill, plan, write)
                 probed = True
+            c0, d0 = time.process_time(), decode.call("cpu")
             t0 = time.perf_counter()
             for i, (src, _) in chunk:
                 plan.total = write.total = 0.0
@@ -101,6 +106,7 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, decode: Any,
             for rid in rids:
                 prefill.wait(rid, 60.0)
             busy += time.perf_counter() - t0
+            cpu += time.process_time() - c0 + decode.call("cpu") - d0
             stats = decode.call("stats", rids=rids)
             segs += stats["segments"]
             transfers.update(stats["transfers"])
@@ -116,7 +122,8 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, decode: Any,
 
     own = statistics.median(r[0] - r[1] - r[2] for r in rows) * 1e6
     return {"send_us": med(0), "plan_us": med(1), "write_us": med(2), "own_us": own,
-            "rps": len(reqs) / busy, "segments": segs, "transfers": transfers,
+            "rps": len(reqs) / busy, "cpu_us": cpu / len(reqs) * 1e6, "segments": segs,
+            "transfers": transfers,
             "raw_us": [[round(v * 1e6, 3) for v in r] for r in rows]}
 
 
@@ -131,7 +138,7 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int, b: Any,
         far = b.call("bare", backend=backend, kind=kind, kv_entries=kv_n, state_entries=st_n)
         remote = far["descriptors"]
         conn = a.connect(far["address"])
-        plans, posts, busy = [], [], 0.0
+        plans, posts, busy, cpu = [], [], 0.0, 0.0
         tables = []
         for s, d in reqs:
             t = time.thread_time()
@@ -140,6 +147,7 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int, b: Any,
             tables.append(per)
         for start in range(0, len(tables), batch):
             handles = []
+            c0, d0 = time.process_time(), b.call("cpu")
             t0 = time.perf_counter()
             for per in tables[start:start + batch]:
                 t = time.thread_time()
@@ -150,6 +158,7 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int, b: Any,
             for h in handles:
                 h.wait(60.0)
             busy += time.perf_counter() - t0
+            cpu += time.process_time() - c0 + b.call("cpu") - d0
         segs = [sum(len(t) for ts in per.values() for t in ts) for per in tables]
         # verbs links count their work requests and doorbells (one per posted window)
         wrs = (f"{conn.wrs / len(reqs):.1f}/{conn.doorbells / len(reqs):.1f}"
@@ -158,7 +167,7 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int, b: Any,
         a.close()
         b.call("reset")
     return {"plan_us": statistics.median(plans) * 1e6, "post_us": statistics.median(posts) * 1e6,
-            "rps": len(reqs) / busy, "segments": segs, "wrs": wrs,
+            "rps": len(reqs) / busy, "cpu_us": cpu / len(reqs) * 1e6, "segments": segs, "wrs": wrs,
             "transfers": {sum(len(ts) for ts in per.values()) for per in tables},
             "raw_post_us": [round(v * 1e6, 3) for v in posts]}
 
@@ -179,7 +188,8 @@ def _configuration(backend: str, kind: str, reqs: list, batch: int, decode: Any,
            "transfers": max(eng["transfers"]),
            "send_us": eng["send_us"], "plan_us": eng["plan_us"], "write_us": eng["write_us"],
            "engine_us": eng["own_us"], "bare_write_us": raw["post_us"],
-           "engine_rps": eng["rps"], "bare_rps": raw["rps"]}
+           "engine_rps": eng["rps"], "bare_rps": raw["rps"],
+           "engine_cpu_us": eng["cpu_us"], "bare_cpu_us": raw["cpu_us"]}
     report.row(row)
     return row, raw["wrs"]
 
@@ -197,6 +207,9 @@ COLUMNS = {
     "bare write us": "median CPU us posting the same tables on a bare transport connection",
     "engine req/s": "requests/s end to end through the engines, --batch in flight (wall clock)",
     "bare transport req/s": "requests/s posting and completing the tables on a bare connection",
+    "engine cpu us/req": "CPU us of both processes (every thread) per request in the engine pass",
+    "bare cpu us/req": "the same in the bare transport pass",
+    "bare/engine cpu": "bare cpu us/req over engine cpu us/req: the req/s ratio a CPU-bound host allows",
     "WRs/doorbells": "verbs only: work requests / doorbells (posted windows) per request",
 }
 
@@ -228,10 +241,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated transports (default: all available)")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: the decode side in a child process, as deployed (default 1)")
+    parser.add_argument("--layouts", default=None,
+                        help=f"comma-separated kv layouts (default: all of {', '.join(KINDS)})")
     parser.add_argument("--tiny", action="store_true",
                         help="6 requests, 3 in flight, loopback and tcp unless --backends says: a smoke run")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
+    kinds = KINDS if args.layouts is None else tuple(args.layouts.split(","))
+    if not kinds or set(kinds) - set(KINDS):
+        parser.error(f"--layouts {args.layouts}: choose from {', '.join(KINDS)}")
     entries = TINY_ENTRIES if args.tiny else ENTRIES
     if args.tiny:
         args.requests, args.batch = 6, 3
@@ -246,12 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True),
                        br.terminal_width(args.width), keys=2)
-    progress = br.Progress(len(backends) * len(KINDS), "configurations")
+    progress = br.Progress(len(backends) * len(kinds), "configurations")
     rows = []
     for backend in backends:
         decode = _decode_side(backend, args.processes)  # one child per backend, reset in between
         try:
-            for kind in KINDS:
+            for kind in kinds:
                 row, wrs = _configuration(backend, kind, reqs, args.batch, decode, entries, report)
                 rows.append(row)
                 emit({"backend": backend, "kv layout": kind, "segments": f"{row['segments']:.0f}",
@@ -260,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
                       "write us": f"{row['write_us']:.1f}", "engine us": f"{row['engine_us']:.1f}",
                       "bare write us": f"{row['bare_write_us']:.1f}",
                       "engine req/s": f"{row['engine_rps']:.0f}",
-                      "bare transport req/s": f"{row['bare_rps']:.0f}", "WRs/doorbells": wrs})
+                      "bare transport req/s": f"{row['bare_rps']:.0f}",
+                      "engine cpu us/req": f"{row['engine_cpu_us']:.0f}",
+                      "bare cpu us/req": f"{row['bare_cpu_us']:.0f}",
+                      "bare/engine cpu": f"{row['bare_cpu_us'] / row['engine_cpu_us']:.2f}",
+                      "WRs/doorbells": wrs})
                 progress.step(f"{backend} {kind}")
         finally:
             decode.close()

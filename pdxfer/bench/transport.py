@@ -198,6 +198,7 @@ def legend(columns: list[str], streams: int, processes: int = 1) -> dict[str, st
         RAW_DEFAULT: "the same with UCX's default transports (cma / shared memory on one host), GB/s",
         "tcp/raw NIXL (UCX default)": "tcp GB/s over raw NIXL (UCX default) GB/s",
         "nixl/raw NIXL (tcp)": "nixl GB/s over raw NIXL (tcp) GB/s",
+        "nixl-all/raw NIXL (UCX default)": "nixl-all GB/s over raw NIXL (UCX default) GB/s",
         "ucx/raw NIXL (tcp)": "ucx GB/s over raw NIXL (tcp) GB/s (both UCX over tcp)",
     }
     out = {}
@@ -229,7 +230,7 @@ def _pairs(backends: list[str], src: np.ndarray, local: LocalPeer, remote: Peer,
         pairs["tcp"] = _EnginePair("tcp", src, local, remote)
         pairs["tcp 1 stream"] = _EnginePair("tcp", src, local, remote, streams=1)
         columns += ["raw socket", _tcp_col(pairs), "tcp/raw", "tcp 1 stream"]
-    if "nixl" in backends:
+    if "nixl" in backends or "nixl-all" in backends:
         # NIXL itself, on the transports our nixl backend uses and on UCX's own choice.
         nixls[RAW_TCP] = RawNixlPair(src, remote, "tcp")
         nixls[RAW_DEFAULT] = RawNixlPair(src, remote, "")
@@ -239,8 +240,10 @@ def _pairs(backends: list[str], src: np.ndarray, local: LocalPeer, remote: Peer,
     for name in [b for b in backends if b not in ("loopback", "tcp")]:
         pairs[name] = _EnginePair(name, src, local, remote)
         columns += [name, f"{name}/memcpy"] + ([f"{name}/tcp"] if raw is not None else [])
-        if name in ("nixl", "ucx") and "nixl" in backends:
+        if name in ("nixl", "ucx") and nixls:
             columns.append(f"{name}/raw NIXL (tcp)")
+        if name == "nixl-all":
+            columns.append("nixl-all/raw NIXL (UCX default)")
         if hasattr(pairs[name].conn, "wrs"):
             columns.append(f"{name} WRs/doorbells")
     return raw
@@ -263,6 +266,7 @@ def _row(name: str, gbs: dict[str, float], pairs: dict[str, _EnginePair], table:
     ratio("tcp/raw", "tcp", "raw socket")
     ratio("tcp/raw NIXL (UCX default)", "tcp", RAW_DEFAULT)
     ratio("nixl/raw NIXL (tcp)", "nixl", RAW_TCP)
+    ratio("nixl-all/raw NIXL (UCX default)", "nixl-all", RAW_DEFAULT)
     ratio("ucx/raw NIXL (tcp)", "ucx", RAW_TCP)
     for other in [p for p in pairs if p not in ("loopback", "tcp", "tcp 1 stream")]:
         ratio(f"{other}/memcpy", other, "memcpy")

@@ -333,3 +333,21 @@ def test_a_bench_leaves_torch_threads_as_it_found_them(capsys: pytest.CaptureFix
     finally:
         torch.set_num_threads(before)
         capsys.readouterr()
+
+
+def test_bench_peers_tiny_reports_throughput_memory_and_threads(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "peers.json"
+    assert cli.main(["bench", "peers", "--tiny", "--requests", "8", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| tcp | 2 | 4 | 8 |" in out and "threads/peer" in out
+    data = json.loads(path.read_text())
+    memory = [s for s in data["samples"] if s["kind"] == "memory"]
+    points = [s for s in data["samples"] if s["kind"] == "throughput"]
+    assert [(m["side"], m["peers"]) for m in memory] == [("prefill: out", 1), ("prefill: out", 2),
+                                                          ("transport: in", 1), ("transport: in", 2)]
+    assert [(p["peers"], p["inflight"]) for p in points] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert all(len(p["latency_us"]) == 8 and p["req_s"] > 0 for p in points)
+    # the bench forces tcp's bounce path: its pool is what a GPU host would pin, 2 streams a peer
+    assert [m["bounce"] for m in memory] == [k * (8 << 20) for k in (2, 4, 2, 4)]
+    assert all(m["threads"] > m["base_threads"] for m in memory)

@@ -100,3 +100,53 @@ def test_empty_and_zero_length_rows_copy_nothing() -> None:
     copy_rows(src, dst, np.zeros((0, 3), dtype=np.int64))
     copy_rows(src, dst, np.array([[5, 9, 0]] * 20, dtype=np.int64))
     assert (dst.numpy() == CANARY).all()
+
+
+# -- the engine's device scratch (#23): every temporary of an op in one bounded buffer --------
+
+
+def _scratch(nbytes: int) -> device_copy.Scratch:
+    made: list[int] = []
+    scratches = device_copy.Scratches(nbytes, lambda n, dev: (made.append(n),
+                                                              torch.empty(n, dtype=torch.uint8))[1])
+    with scratches.lease(torch.device("cpu"), 1.0, host=True) as scratch:
+        assert made == [nbytes] and scratches.allocated_bytes == nbytes
+        return scratch
+
+
+@pytest.mark.parametrize("shape", ["scattered both", "run source", "run destination", "misaligned"])
+def test_copies_through_the_scratch_land_exactly_and_fit_it(shape: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 MiB of 4 KiB cells scattered on both sides needs 2 MiB of gathered values: a
+    # 64 KiB scratch (cells capped at 4 KiB to allow one so small) cuts it into ops that fit.
+    monkeypatch.setattr(device_copy, "MAX_CELL", 4096)
+    monkeypatch.setattr(device_copy, "MIN_SCRATCH_BYTES", 4 * (4096 + 16))
+    rng = np.random.default_rng(11)
+    n, rows = 4 << 20, 512
+    a, b = rng.permutation(n // 4096)[:rows] * 4096, rng.permutation(n // 4096)[:rows] * 4096
+    run = np.arange(rows) * 4096
+    src_col, dst_col = {"scattered both": (a, b), "run source": (run, b),
+                        "run destination": (a, run), "misaligned": (a + 3, b + 5)}[shape]
+    size = 4096 if shape != "misaligned" else 1000  # 1 B cells: a few rows per op
+    table = np.stack([src_col, dst_col, np.full(rows, size)], 1).astype(np.int64)
+    scratch = _scratch(64 << 10)
+    scratch.buf.fill_(0xEE)
+    plan = plan_copy(table, scratch.nbytes)
+    assert all(op.temp_bytes + 8 <= scratch.nbytes for op in plan.batches)
+    if shape == "scattered both":
+        assert len(plan.batches) >= 32, "2 MiB of values cannot pass a 64 KiB scratch in fewer ops"
+    src, dst = _tensors(n=n)
+    run_copy(src, dst, plan, scratch)
+    assert_landed(src.numpy(), dst.numpy(), table)
+    assert (scratch.buf != 0xEE).any(), "the ops took their temporaries elsewhere"
+
+
+def test_host_copies_lease_no_scratch_and_a_busy_scratch_is_waited_for_boundedly() -> None:
+    scratches = device_copy.Scratches()
+    with scratches.lease(torch.device("cpu"), 1.0) as scratch:
+        assert scratch is None and scratches.allocated_bytes == 0  # host copies need none
+    with scratches.lease(torch.device("cpu"), 1.0, host=True):
+        with pytest.raises(device_copy.TransferTimeout, match="device scratch on cpu was not free"):
+            with scratches.lease(torch.device("cpu"), 0.05, host=True):
+                pass
+    assert scratches.allocated_bytes == device_copy.DEFAULT_SCRATCH_BYTES == 64 << 20

@@ -215,3 +215,73 @@ def test_tcp_only_nixl_refuses_vram_and_the_full_list_registers_it() -> None:
             tcp.register(gpu)
     with transport.create("nixl-all") as full:
         assert full.register(gpu).descriptor()["device"] == "cuda"
+
+
+# -- #23: prepared descriptor lists, one registration per engine without a fence --------------
+
+
+def test_a_requests_rows_and_a_large_tables_rows_cut_into_the_same_blocks() -> None:
+    from pdxfer.transport.nixl import requests as nixl_requests
+
+    rng = np.random.default_rng(23)
+    for _ in range(20):
+        block = 1 << int(rng.integers(9, 16))
+        n = int(rng.integers(1, 40))
+        lengths = rng.integers(1, 5, n) * block
+        table = np.stack([rng.permutation(4096)[:n] * block * 4, rng.permutation(4096)[:n] * block * 4,
+                          lengths], 1).astype(np.int64)
+        small = nixl_requests.blocks(table)  # plain ints (<= SMALL rows)
+        big = nixl_requests.blocks(np.concatenate([table] * 5))  # vectorised
+        assert small[0] == big[0] == int(np.bitwise_or.reduce(table.reshape(-1)) & -np.bitwise_or.reduce(
+            table.reshape(-1)))
+        assert np.array_equal(np.tile(small[1], 5), big[1]) and np.array_equal(np.tile(small[2], 5), big[2])
+        assert small[1].shape[0] == int(lengths.sum() // small[0])  # one index per block covered
+
+
+class _List:
+    def __init__(self) -> None:
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+def test_prepared_lists_stay_within_their_budget_least_recently_used_released_first() -> None:
+    from pdxfer.transport.nixl.agent import Prepared
+
+    prepared = Prepared(budget=100)
+    lists = {k: _List() for k in "abc"}
+    prepared.get("a", lambda: (lists["a"], 40))
+    prepared.get("b", lambda: (lists["b"], 40))
+    assert prepared.get("a", lambda: pytest.fail("prepared twice")) is lists["a"]  # a is now newest
+    prepared.get("c", lambda: (lists["c"], 40))  # 120 > 100: b, the least recently used, goes
+    assert lists["b"].released and not lists["a"].released and prepared.descs == 80
+    prepared.drop(lambda key: key == "a")
+    assert lists["a"].released and prepared.descs == 40 and len(prepared) == 1
+
+
+@pytest.mark.parametrize("tls,per_link", [("tcp", True), ("all", False)])
+def test_registrations_per_link_only_where_the_link_is_fenced(tls: str, per_link: bool) -> None:
+    rx = transport.create("nixl", tls=tls)
+    senders = [transport.create("nixl", tls=tls) for _ in range(2)]
+    try:
+        dst = np.full(1 << 20, CANARY, dtype=np.uint8)
+        d = rx.register(torch.from_numpy(dst))
+        got = threading.Semaphore(0)
+        rx.set_notify_handler(lambda sender, payload: got.release())
+        for i, tx in enumerate(senders):
+            src = np.full(4096, i + 1, dtype=np.uint8)
+            s = tx.register(torch.from_numpy(src))
+            tx.connect(rx.address()).write(s, d.descriptor(), np.array([[0, i * 4096, 4096]]),
+                                           notify=b"n").wait(WAIT)
+        for _ in senders:
+            assert got.acquire(timeout=WAIT)
+        use = rx.usage()
+        assert use["links_in"] == 2
+        # one registration of the region on the engine's agent, plus one per link that is fenced
+        assert use["registrations"] == (1 + 2 if per_link else 1)
+        assert use["agents"] == (1 + 2 if per_link else 1)
+        assert all((dst[i * 4096:(i + 1) * 4096] == i + 1).all() for i in range(2))
+    finally:
+        for engine in (*senders, rx):
+            engine.close()

@@ -1,7 +1,7 @@
-"""The stream contract (`transport.streams`) and the bounce buffers' allocation time.
+"""The stream contract (`transport.streams`) and the bounce pool's allocation time.
 
 What runs here without a GPU: the refusals (readiness for host memory),
-host copies through `CopyStream`, when tcp pins its bounce buffers, and a
+host copies through `CopyStream`, when tcp allocates its bounce slots, and a
 guard that no device-wide synchronise is back on the data path. (How an
 unready producer waits in its link's post queue is a kit case, driven by a
 stand-in with `query()`: `transport/testing/cases_engine.py`.) The CUDA halves — a producer on a side stream handing over an event —
@@ -56,23 +56,21 @@ def _engines(**opts: object) -> tuple[transport.TransportEngine, transport.Trans
     return transport.create("tcp", streams=2, **opts), transport.create("tcp", streams=2, **opts)
 
 
-def _bounces(tx: transport.TransportEngine, rx: transport.TransportEngine) -> list:
-    (conn,) = tx.outbound.links()
-    return [s.bounce for s in conn.streams] + [s.bounce for s in rx.inbound.links()]
-
-
-def test_bounce_buffers_are_allocated_at_connect_and_accept_not_in_a_transfer() -> None:
+def test_bounce_slots_are_allocated_at_connect_and_accept_not_in_a_transfer() -> None:
     tx, rx = _engines(force_bounce=True, bounce_bytes=64 << 10)
     try:
         src = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
         dst = np.full(2 << 20, CANARY, dtype=np.uint8)
         s, d = tx.register(torch.from_numpy(src)), rx.register(torch.from_numpy(dst))
         conn = tx.connect(rx.address())
-        bounces = _bounces(tx, rx)
-        assert len(bounces) == 4 and all(b.allocated for b in bounces)  # before any write
+        rx.inbound.links()  # accepted: both streams made their landing share
+        # two sending slots here, two landing slots there, before any write
+        assert tx.bounces.send.count == 2 and rx.bounces.recv.count == 2
+        before = (tx.bounces.allocated_bytes, rx.bounces.allocated_bytes)
         table = random_table(np.random.default_rng(2), src.size, dst.size, 30, 100_000)
         conn.write(s, d.descriptor(), table).wait(20)
         assert_landed(src, dst, table)
+        assert (tx.bounces.allocated_bytes, rx.bounces.allocated_bytes) == before
     finally:
         tx.close()
         rx.close()
@@ -85,7 +83,7 @@ def test_host_only_engines_pin_nothing() -> None:
         dst = np.full(1 << 16, CANARY, dtype=np.uint8)
         s, d = tx.register(torch.from_numpy(src)), rx.register(torch.from_numpy(dst))
         tx.connect(rx.address()).write(s, d.descriptor(), np.array([[0, 0, 100]])).wait(20)
-        assert not any(b.allocated for b in _bounces(tx, rx))
+        assert tx.bounces.allocated_bytes == rx.bounces.allocated_bytes == 0
     finally:
         tx.close()
         rx.close()
@@ -96,10 +94,9 @@ def test_registering_cuda_memory_pins_every_stream_at_once() -> None:
     tx, rx = _engines()
     try:
         tx.connect(rx.address())
-        assert not any(b.allocated for b in _bounces(tx, rx))
+        assert tx.bounces.allocated_bytes == 0
         tx.register(torch.zeros(1 << 20, dtype=torch.uint8, device="cuda"))
-        (conn,) = tx.outbound.links()
-        assert all(s.bounce.allocated for s in conn.streams)
+        assert tx.bounces.send.count == 2 and tx.bounces.pinned
     finally:
         tx.close()
         rx.close()
@@ -141,13 +138,13 @@ def test_the_event_captured_in_write_reaches_the_copy_on_the_io_thread(monkeypat
     # is the CUDA path's code; `capture` is what turns `ready` into an event
     # on the caller's thread, and the copy must wait on exactly that one.
     from pdxfer.transport import link
-    from pdxfer.transport.tcp import io as tcp_io
+    from pdxfer.transport.tcp import bounce as tcp_bounce
 
     event, seen = _Event(), []
     monkeypatch.setattr(link, "capture", lambda ready, device: event if ready == "R" else None)
-    gather = tcp_io.Bounce.gather
-    monkeypatch.setattr(tcp_io.Bounce, "gather", lambda self, src, rows, column, ready=None: (
-        seen.append((ready, threading.current_thread().name)), gather(self, src, rows, column))[1])
+    gather = tcp_bounce.Bounce.gather
+    monkeypatch.setattr(tcp_bounce.Bounce, "gather", lambda self, buf, src, rows, column, ready=None: (
+        seen.append((ready, threading.current_thread().name)), gather(self, buf, src, rows, column))[1])
     tx, rx = _engines(force_bounce=True, bounce_bytes=64 << 10)
     try:
         src = np.random.default_rng(4).integers(0, 256, 1 << 20, dtype=np.uint8)

@@ -25,7 +25,9 @@ Capabilities, per instance, from `tls` alone (`capabilities_for`, which the
 registry's `nixl-all` = `tls="all"` answers with too): `tls="tcp"` — host
 memory only, receiver-driven, fenceable; `tls="all"` (or None) — CUDA
 tensors register as VRAM, descriptors say VRAM or DRAM per region,
-one-sided (cma, cuda_ipc, rc), and `drop_peer` refuses. CUDA sources: UCX
+one-sided (cma, cuda_ipc, rc), and `drop_peer` refuses. Without a fence the
+initiating agent also serves every inbound link (`shared`), so a region is
+registered once per engine however many peers write to it (#23). CUDA sources: UCX
 reads them itself, so a write waits in the kit's post queue until the
 producer's `ready` event is reached; no thread blocks on it.
 Deliberately absent: `read` (nothing needs it yet).
@@ -93,8 +95,12 @@ class NixlEngine(EngineBase):
         self._shared = LinkRegions(self.regions, self.inbound, InboundPeer)  # every link gets every region
         self._serial = itertools.count(1)
         self._initiator = Initiator(self.engine_id, self.tls, self.device)
+        # No fence possible (one-sided transports): the initiating agent serves every inbound
+        # link too, so each region is registered once per engine (inbound.py).
+        self._serving = None if self.capabilities.fence else self._initiator
         self._requests = Requests(self._initiator)
-        self._progress = Progress(self.engine_id, self._requests, self._shared)
+        self._progress = Progress(self.engine_id, self._requests, self._shared,
+                                  shared=self._serving is not None)
         try:
             self.listen(host, port, max_pending)
         except BaseException:
@@ -123,10 +129,16 @@ class NixlEngine(EngineBase):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = InboundPeer(self.inbound, sock, where, slot, engine_id=self.engine_id,
                            serial=next(self._serial), tls=self.tls, device=self.device,
-                           admit=self._shared.admit, live=self.regions.live)
+                           admit=self._shared.admit, live=self.regions.live, shared=self._serving)
         if not (self.inbound.track(peer) and peer.start(peer.run, f"nixl-in {where}")):
             slot.admitted()  # closing: nothing more is served
             sock.close()
+
+    def backend_usage(self) -> dict[str, int]:
+        links = [p for p in self._shared.links() if p.shared is None]
+        return {"registrations": self._initiator.registrations + sum(len(p.held) for p in links),
+                "agents": 1 + len(links),
+                "prepared_descriptors": self._initiator.prepared.descs}
 
     # -- lifecycle ------------------------------------------------------------------------------
     def release(self) -> None:

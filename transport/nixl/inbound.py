@@ -22,8 +22,17 @@ region it ever announced until it ends, and only then lets the memory go
 (`held`) — the link, not the engine, is what may still write there.
 
 Cost: one UCX worker and one registration of every region per inbound
-link — cheap on tcp (no pinning) and links are few (a decode node hears
-from a handful of prefill nodes).
+link — cheap on tcp (UCX's tcp transport pins nothing) — and one
+`get_new_notifs` per link per progress round.
+
+Without a fence (`tls="all"`: cma, cuda_ipc and RDMA write with no action
+of ours, so no agent of ours could stop them) an agent per link buys
+nothing and would register every region — VRAM included — again per link.
+There every link is served by the engine's one initiating agent (`shared`):
+regions are registered once per engine, a sender loads that one agent, and
+the progress thread polls it once per round for every link's notifications
+and hands each link its own (`landed`). The link still holds every region
+it announced until it ends.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from ..errors import PeerLostError, ProtocolError
 from ..inbound import InboundTable
 from ..listener import Slot
 from ..regions import Region
-from .agent import make_agent, translate
+from .agent import Initiator, make_agent, translate
 from .wire import Hello, Regions, Welcome, region_rows, unpack_note
 
 log = logging.getLogger(__name__)
@@ -65,8 +74,10 @@ class InboundPeer(ControlInbound):
     def __init__(self, table: InboundTable, sock: socket.socket, where: str, slot: Slot, *,
                  engine_id: str, serial: int, tls: str, device: str | None,
                  admit: Callable[[InboundPeer], list[Region]],
-                 live: Callable[[], list[Region]]) -> None:
+                 live: Callable[[], list[Region]], shared: Initiator | None = None) -> None:
+        """`shared`: the engine's initiating agent, serving this link too (no fence: tls="all")."""
         super().__init__(table, sock, f"nixl link from {where}", slot)
+        self.shared = shared
         self._engine_id = engine_id
         self.serial = serial
         self._tls, self._device = tls, device
@@ -80,35 +91,41 @@ class InboundPeer(ControlInbound):
 
     # -- setup (the control thread) ---------------------------------------------------
     def admit(self, hello: Hello) -> Welcome:
-        self.agent_name = f"{self._engine_id}<{hello.engine}#{self.serial}"
-        self.agent = make_agent(self.agent_name, self._tls, self._device)
+        if self.shared is not None:
+            self.agent_name = self.shared.name
+        else:
+            self.agent_name = f"{self._engine_id}<{hello.engine}#{self.serial}"
+            self.agent = make_agent(self.agent_name, self._tls, self._device)
         self.identify(hello.engine, f"{hello.engine}#{self.serial}")
         regions = self._admit(self)
-        with self.lock:
-            if self.dead:
-                raise PeerLostError("link fenced")
-            metadata = self.agent.get_agent_metadata()
-        return Welcome(self._engine_id, self.agent_name, metadata, region_rows(regions))
+        return Welcome(self._engine_id, self.agent_name, self._metadata(), region_rows(regions))
 
     def regions_reply(self, query: int) -> Regions:
         regions = self._live()
+        return Regions(query, self._metadata(), region_rows(regions))
+
+    def _metadata(self) -> bytes:
+        if self.shared is not None:
+            return self.shared.metadata()
         with self.lock:
             if self.dead:
                 raise PeerLostError("link fenced")
-            metadata = self.agent.get_agent_metadata()
-        return Regions(query, metadata, region_rows(regions))
+            return self.agent.get_agent_metadata()
 
     # -- regions ----------------------------------------------------------------------
     def add_region(self, region: Region) -> None:
         """Register `region` on this link's agent (a child of the region; the NIXL error translated)."""
         with self.lock:
-            if self.dead or region.region_id in self._regs:
+            if self.dead or region.region_id in self.held:
                 return
+            self.held[region.region_id] = region
+            if self.shared is not None:
+                return  # registered once, on the engine's agent
             try:
                 self._regs[region.region_id] = self.agent.register_memory(region.data)
             except Exception as exc:
+                del self.held[region.region_id]
                 raise translate(exc, f"registering region {region.region_id} for {self.sender}") from exc
-            self.held[region.region_id] = region
         region.adopt(("nixl-link", self.serial), _LinkRegistration(self, region.region_id))
 
     def unregister(self, region_id: int) -> None:
@@ -140,6 +157,13 @@ class InboundPeer(ControlInbound):
         if notifs is None:
             self.fence()
             return None
+        return self.landed(notifs) if notifs else []
+
+    def landed(self, notifs: dict[str, list[bytes]]) -> list[tuple[int, bytes | None]]:
+        """`(seq, payload)` of the notifications in `notifs` (by agent name) that are this link's sender's.
+
+        Others are refused (logged and dropped): nobody else knows this link.
+        """
         out: list[tuple[int, bytes | None]] = []
         for name, messages in notifs.items():
             for data in messages:

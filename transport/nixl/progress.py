@@ -5,18 +5,27 @@ NIXL has no completion callback and, with its own progress thread disabled
 progress a worker: `check_xfer_state` on the sending agent pushes a
 transfer's bytes out, `get_new_notifs` on a receiving agent reads them into
 our memory. So one thread per engine calls both in a loop, and sleeps
-between rounds with a backoff: 50 µs after a round that found work, doubling
-to 2 ms while idle (0.5 ms while a send is in flight), and woken at once by
-`kick()` when a write is submitted. It is the only polling loop in the backend
-and never spins: every round ends in an `Event.wait`. Waiting callers never
-poll either: they wait on their `Handle`'s event, with a timeout.
+between rounds in an `Event.wait`, woken at once by `kick()` when a write
+is submitted. It is the only polling loop in the backend. Waiting callers
+never poll: they wait on their `Handle`'s event, with a timeout.
+
+Cadence (#23), each a measured trade: while one of our writes is in flight
+the loop polls every `MIN_DELAY` (over tcp its bytes move only when we
+call NIXL, and backing off to 0.5 ms left the socket idle between calls);
+while inbound bytes are arriving — a notification landed, or a receiving
+agent's progress call took longer than `BUSY_CALL` (an idle call costs
+~0.5 µs; reading a socket's worth of a transfer into memory takes far
+longer) — likewise; otherwise it backs off, doubling to `MAX_DELAY`.
 
 A round: (0) the writes links submitted are posted, in order
 (`requests.Requests`); (1) every posted transfer's state — DONE releases the
-NIXL request, an error fails the transfer and severs its link; (2) every
-live inbound link's notifications, handed to the handler through the kit's
-`InboundLink.deliver` (never after a fence) and then acknowledged to its
-sender in one `Acks` frame per link per round.
+NIXL request (and completes a write without notify), an error fails the
+transfer and severs its link; (2) every live inbound link's notifications —
+from its own agent, or, when the initiating agent serves every link
+(`shared`, tls="all"), from that one agent's, handed out by sender — given
+to the handler through the kit's `InboundLink.deliver` (never after a
+fence) and then acknowledged to its sender in one `Acks` frame per link per
+round.
 
 Deletion condition: a NIXL Python API exposing the UCX worker's event fd or
 a completion callback; then this becomes a blocking wait.
@@ -26,6 +35,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import defaultdict
 
 from ..control import LinkRegions
 from .requests import Requests
@@ -34,15 +45,19 @@ log = logging.getLogger(__name__)
 
 MIN_DELAY = 50e-6
 MAX_DELAY = 2e-3
-BUSY_MAX_DELAY = 0.5e-3  # while a send is in flight: its bytes move only when we call NIXL
+# A receiving agent's progress call this long moved bytes (an idle one: ~0.5 us).
+BUSY_CALL = 20e-6
 
 
 class Progress:
     """The thread that drives one engine's NIXL agents."""
 
-    def __init__(self, name: str, requests: Requests, links: LinkRegions) -> None:
+    def __init__(self, name: str, requests: Requests, links: LinkRegions, *,
+                 shared: bool = False) -> None:
+        """`shared`: the initiating agent serves every inbound link (their notifications come from it)."""
         self._requests = requests
         self._links = links
+        self._shared = shared
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"nixl-progress {name}", daemon=True)
@@ -67,8 +82,7 @@ class Progress:
             except Exception:  # a bug here must not silently stop every transfer
                 log.exception("nixl progress round failed")
                 worked, sending = False, False
-            cap = BUSY_MAX_DELAY if sending else MAX_DELAY
-            delay = MIN_DELAY if worked else min(delay * 2, cap)
+            delay = MIN_DELAY if worked or sending else min(delay * 2, MAX_DELAY)
             self._wake.wait(delay)
             self._wake.clear()
 
@@ -76,13 +90,42 @@ class Progress:
         refused, worked = self._requests.post()
         for link, seq, error in refused:
             link.post_refused(seq, error)
-        failed, sending = self._requests.poll()
+        failed, done, notifs, sending = self._requests.poll(self._shared)
         for link, error in failed:
             worked = True
             link.sever(error)
-        for peer in self._links.links():
+        if done:
+            worked = True
+            by_link: dict = defaultdict(list)
+            for link, seq in done:
+                by_link[link].append(seq)
+            for link, seqs in by_link.items():
+                link.acked(seqs)
+        peers = self._links.links()
+        if self._shared:
+            worked = self._hand_out(peers, notifs) or worked
+            return worked, sending
+        for peer in peers:
+            t0 = time.perf_counter()
             landed = peer.poll()
+            if time.perf_counter() - t0 > BUSY_CALL:
+                worked = True  # bytes were moving into our memory: keep polling closely
             if landed:
                 worked = True
                 peer.hand_over(landed)  # the kit's delivery rule, then one Acks frame
         return worked, sending
+
+    def _hand_out(self, peers: list, notifs: dict[str, list[bytes]]) -> bool:
+        """Shared agent: give each link the notifications of its sender (others: stale, dropped)."""
+        if not notifs:
+            return False
+        by_sender = {p.sender: p for p in peers}  # one live link per sender
+        for name, messages in notifs.items():
+            peer = by_sender.get(name)
+            if peer is None:
+                log.debug("nixl: %d notification(s) from %s, which has no live link", len(messages), name)
+                continue
+            landed = peer.landed({name: messages})
+            if landed:
+                peer.hand_over(landed)
+        return True

@@ -8,13 +8,16 @@ length, gpu)` rows: a write names a region by its descriptor and the
 address comes from this table, so an edited descriptor cannot aim NIXL at
 memory the peer never announced.
 
-A write is one NIXL transfer: `plan` builds both descriptor lists by array
-arithmetic from the checked table (no loop per row, off the lock), and
-`submit` hands them to the progress thread's queue (`requests.Requests`),
-which makes the NIXL calls. The handle completes when the peer's `Acks` name
-it — after its bytes landed and its notify ran — and fails when the link
-dies (control socket closed: the peer died, closed or fenced us) or NIXL
-reports the transfer broken (`post_refused`).
+A write is one NIXL transfer: `plan` turns the checked table into block
+indices at its granule (`requests.blocks`: plain ints for a request's few
+rows, array arithmetic beyond; off the lock) — or, when the granule would cut a region into more than `MAX_BLOCKS`
+blocks, into both descriptor lists — and `submit` hands it to the progress
+thread's queue (`requests.Requests`), which makes the NIXL calls against
+the lists prepared once per region and granule. The handle completes when
+NIXL reports the write DONE (no notify: its bytes are in the peer's memory)
+or when the peer's `Acks` name it (with a notify: after its handler ran),
+and fails when the link dies (control socket closed: the peer died, closed
+or fenced us) or NIXL reports the transfer broken (`post_refused`).
 
 A region registered by the peer after we connected is unknown here until a
 `Refresh` round trip, which a write naming it triggers once (the kit's
@@ -23,6 +26,7 @@ A region registered by the peer after we connected is unknown here until a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,9 +40,11 @@ from ..errors import PeerLostError, TransportError
 from ..link import LinkContext, Remote
 from ..posting import Post
 from ..regions import Region
-from .agent import Initiator
-from .requests import Requests
+from .agent import MAX_BLOCKS, Initiator
+from .requests import Requests, Write, blocks
 from .wire import Hello, Regions, gpu_of, mem_type, pack_note
+
+_keys = itertools.count(1)  # what a link's prepared lists are filed under (never reused)
 
 
 def _table(data: bytes) -> dict[int, Remote]:
@@ -57,6 +63,7 @@ class NixlLink(ControlledLink):
         self._initiator = initiator
         self._requests = requests
         self._kick = kick
+        self.key = next(_keys)
         try:
             self.agent = initiator.load_metadata(self.welcome.metadata, self.welcome.agent)
             self.peer_regions = _table(self.welcome.regions)
@@ -70,29 +77,39 @@ class NixlLink(ControlledLink):
         if not table.shape[0]:
             return None
         table = coalesce_posted(table)
+        planned = blocks(table)
+        block = planned[0]
+        if src.length // block <= MAX_BLOCKS and dst.length // block <= MAX_BLOCKS:
+            return planned
         base, dst_gpu = dst.info
-        src_gpu = gpu_of(src)
-        return (descs(src.start, table, 0, src_gpu), descs(base, table, 1, dst_gpu),
-                (mem_type(src_gpu), mem_type(dst_gpu)))
+        return (descs(src.start, table, 0, gpu_of(src)), descs(base, table, 1, dst_gpu))
 
     def submit(self, post: Post) -> None:
-        note = pack_note(post.seq, post.notify)
-        if post.table is None:
-            self._requests.queue(self, post.seq, None, None, note, ("DRAM", "DRAM"))
+        note = None if post.notify is None else pack_note(post.seq, post.notify)
+        plan = post.table
+        if plan is None:
+            if note is None:  # nothing to move and nothing to say: done now
+                self.acked([post.seq])
+                return
+            write = Write(self, post.seq, note, ("DRAM", "DRAM"))
         else:
-            local, remote, mems = post.table
-            self._requests.queue(self, post.seq, local, remote, note, mems)
+            mems = (mem_type(gpu_of(post.src)), mem_type(post.dst.info[1]))
+            write = Write(self, post.seq, note, mems, post.src, post.region, post.dst,
+                          blocks=plan if len(plan) == 3 else None,
+                          descs=plan if len(plan) == 2 else None)
+        self._requests.queue(write)
         self._kick()
 
     def regions(self, msg: Regions) -> None:
-        self.agent = self._initiator.load_metadata(msg.metadata, self.agent)
+        self.agent = self._initiator.load_metadata(msg.metadata, self.agent, count=False)
         self.peer_regions = _table(msg.regions)
+        self._initiator.invalidate(self.key)  # lists prepared against the old metadata
 
     def hang_up_path(self) -> None:
-        """Cancel this link's requests and forget the peer's agent."""
+        """Cancel this link's requests and forget the peer's agent (and our lists of it)."""
         with self._initiator.lock:
             self._requests.drop(self)
-        self._initiator.forget(self.agent)
+        self._initiator.forget(self.agent, self.key)
 
     def post_refused(self, seq: int, error: TransportError) -> None:
         """NIXL would not post write `seq` (progress thread): it fails, and the link if broken."""

@@ -8,13 +8,8 @@ mid-buffer by bisecting cumulative byte counts instead of walking the list.
 Striping cuts one transfer into byte-balanced shares, one per stream, because
 one TCP stream is bound to one core's worth of copying.
 
-`Bounce` is the one copy tcp cannot avoid: a socket reads and writes host
-memory, so CUDA bytes pass through a pinned host buffer of fixed size, in
-batches that fit it, each moved by a few batched device ops on the
-stream's own copy stream (never a device-wide synchronise). Host memory never takes this path (except when a test
-forces it, to exercise the code on a machine without a GPU). `Bounces` is
-the engine's set of them: the one place that decides when they are pinned
-(and where #23's one bounded pool per engine, shared by every link, goes).
+The one copy tcp cannot avoid — CUDA bytes through pinned host memory — is
+`bounce.py`'s: one bounded pool per engine, whose slots `batches` fills.
 """
 
 from __future__ import annotations
@@ -23,16 +18,11 @@ import bisect
 import itertools
 import os
 import socket
-import threading
-import weakref
 from collections.abc import Iterator
 
 import numpy as np
-import torch
 
-from ..device_copy import copy_rows
-from ..segments import balanced_parts, split_rows
-from ..streams import CopyStream, cuda_device
+from ..segments import balanced_parts
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 # Below this a transfer goes whole on one stream: splitting costs more
@@ -138,107 +128,3 @@ def batches(rows: np.ndarray, max_rows: int, max_bytes: int | None = None) -> It
         stop = min(max(stop, start + 1), start + max_rows, n)
         yield rows[start:stop]
         start = stop
-
-
-class Bounce:
-    """A fixed host buffer that device bytes pass through on their way to or from a socket.
-
-    Allocated by `allocate()`, which the engine calls when the stream is
-    made (connect, accept) if it already holds CUDA memory, and for every
-    stream when its first CUDA region is registered — so pinning (a
-    `cudaHostAlloc` of several MiB, milliseconds) never happens inside a
-    receiver's landing lock or on a transfer's path. Copies in and out are
-    `device_copy` batches on this stream's own copy stream.
-    """
-
-    def __init__(self, nbytes: int, pinned: bool) -> None:
-        self.nbytes = nbytes
-        self._pinned = pinned
-        self._buf: torch.Tensor | None = None
-        self._lock = threading.Lock()
-        self.copies = CopyStream()
-
-    @property
-    def allocated(self) -> bool:
-        """Whether the buffer exists (tests check it is made before any transfer)."""
-        return self._buf is not None
-
-    def allocate(self) -> None:
-        """Make the buffer now (idempotent, thread-safe)."""
-        with self._lock:
-            if self._buf is None:
-                self._buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self._pinned)
-
-    def _buffer(self) -> torch.Tensor:
-        if self._buf is None:
-            # Only if a stream raced the registration that allocates it: the
-            # engine allocates before any region a transfer can name exists.
-            self.allocate()
-        assert self._buf is not None
-        return self._buf
-
-    def plan(self, rows: np.ndarray, max_rows: int) -> Iterator[np.ndarray]:
-        """`rows` cut into batches that fit the buffer."""
-        return batches(split_rows(rows, self.nbytes), max_rows, self.nbytes)
-
-    def gather(self, src: torch.Tensor, rows: np.ndarray, column: int, ready: object = None) -> memoryview:
-        """Copy rows of `src` (offsets in `column`) into the buffer, after `ready`; its filled part."""
-        buf = self._buffer()
-        table, pos = _packed(rows, column, to_buffer=True)
-        self.copies.run(cuda_device(src), ready, lambda: copy_rows(src, buf, table))
-        return memoryview(buf.numpy())[:pos]
-
-    def space(self, nbytes: int) -> memoryview:
-        """The first `nbytes` of the buffer, to receive into."""
-        return memoryview(self._buffer().numpy())[:nbytes]
-
-    def scatter(self, dst: torch.Tensor, rows: np.ndarray, column: int) -> None:
-        """Copy the buffer's leading bytes out to rows of `dst` (offsets in `column`); returns once landed."""
-        buf = self._buffer()
-        table, _ = _packed(rows, column, to_buffer=False)
-        self.copies.run(cuda_device(dst), None, lambda: copy_rows(buf, dst, table))
-
-
-class Bounces:
-    """One engine's bounce buffers: pinned when the engine first holds CUDA memory, never before.
-
-    `new()` is called when a stream is made (connect, accept): the buffer is
-    allocated at once if the engine already holds CUDA memory (or
-    `force_bounce`), else on `cuda_registered()`, which allocates every
-    buffer made so far — never inside a transfer or a landing. Host-only
-    engines never pin a byte.
-    """
-
-    def __init__(self, nbytes: int, *, force: bool) -> None:
-        self.nbytes = nbytes
-        self.force = force  # host memory takes the bounce path too (tests without a GPU)
-        self._pinned = torch.cuda.is_available()
-        self._lock = threading.Lock()
-        self._all: weakref.WeakSet[Bounce] = weakref.WeakSet()
-        self._active = force
-
-    def new(self) -> Bounce:
-        bounce = Bounce(self.nbytes, self._pinned)
-        with self._lock:
-            self._all.add(bounce)
-            now = self._active
-        if now:
-            bounce.allocate()
-        return bounce
-
-    def cuda_registered(self) -> None:
-        """The engine registered CUDA memory: allocate every buffer now (idempotent)."""
-        with self._lock:
-            first, self._active = not self._active, True
-            pending = list(self._all) if first else []
-        for bounce in pending:
-            bounce.allocate()
-
-
-def _packed(rows: np.ndarray, column: int, *, to_buffer: bool) -> tuple[np.ndarray, int]:
-    # The copy table between a tensor's rows and the buffer packed from 0, and its bytes.
-    n = rows[:, -1].astype(np.int64)
-    packed = np.cumsum(n) - n
-    offsets = rows[:, column].astype(np.int64)
-    cols = (offsets, packed) if to_buffer else (packed, offsets)
-    return np.stack([*cols, n], 1), int(n.sum())

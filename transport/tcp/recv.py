@@ -38,7 +38,8 @@ from ..listener import Slot, read_hello
 from ..regions import RegionTable
 from ..segments import check_ranges
 from ..wire import ErrorMessage
-from .io import Bounces, recv_all, slices
+from .bounce import BouncePool
+from .io import recv_all, slices
 from .wire import (
     MAX_ROWS,
     PROTOCOL,
@@ -122,7 +123,7 @@ class InboundStream(InboundLink):
     """One accepted socket: handshake, then headers and payloads until EOF or fence."""
 
     def __init__(self, table: InboundTable, sock: socket.socket, where: str, slot: Slot, *,
-                 engine_id: str, regions: RegionTable, links: Links, bounces: Bounces) -> None:
+                 engine_id: str, regions: RegionTable, links: Links, bounces: BouncePool) -> None:
         super().__init__(table, f"tcp stream from {where}")
         self.sock = sock
         self.slot = slot  # our place in the listener's pre-handshake budget
@@ -132,7 +133,7 @@ class InboundStream(InboundLink):
         self._bounces = bounces
         self._state: LinkState | None = None
         self._sock_lock = threading.Lock()
-        self.bounce = bounces.new()
+        self.bounce = bounces.bounce(sending=False)
         self._transfer: int | None = None  # the transfer whose stripe is arriving
         self._got = 0
 
@@ -154,7 +155,14 @@ class InboundStream(InboundLink):
     def run(self) -> None:
         try:
             self._serve()
-        except (PeerLostError, TransferTimeout) as exc:
+        except BlockingIOError:  # the receive timeout armed while a bounce slot was held
+            log.warning("closing %s: the sender sent no byte of a bounced batch for %s s while "
+                        "this stream held a slot of the shared bounce pool", self.where,
+                        self.bounce.timeout)
+        except TransferTimeout as exc:  # no bounce slot freed in time
+            log.warning("closing %s: %s", self.where, exc)
+            self._say(ErrorMessage(reason=str(exc)))
+        except PeerLostError as exc:
             log.debug("%s ended: %s", self.where, exc)
         except _Refusal as exc:
             log.warning("closing %s: refused transfer %d: %s", self.where, exc.transfer, exc.reason)
@@ -204,6 +212,8 @@ class InboundStream(InboundLink):
                     ))
                 else:
                     raise ProtocolError(f"unexpected {type(msg).TYPE} frame on a data stream")
+        except BlockingIOError:
+            raise
         except (OSError, ConnectionError) as exc:
             raise PeerLostError(f"{self.where}: {exc}") from exc
 
@@ -226,15 +236,22 @@ class InboundStream(InboundLink):
         ranges = np.frombuffer(raw, dtype="<i8").reshape(-1, 2).astype(np.int64)
         what = f"transfer {msg.transfer} into region {msg.region}"
         nbytes = check_ranges(ranges, region.length, what)
-        with self.guard:
-            if self.dead:
-                return
-            if region.view is not None and not self._bounces.force:
+        if region.view is not None and not self._bounces.force:
+            with self.guard:
+                if self.dead:
+                    return
                 recv_all(self.sock, *slices(region.view, ranges[:, 0], ranges[:, 1]))
-            else:
-                for batch in self.bounce.plan(ranges, MAX_ROWS):
-                    recv_all(self.sock, [self.bounce.space(int(batch[:, 1].sum()))])
-                    self.bounce.scatter(region.data, batch, 0)
+        else:
+            # The slot is leased before the guard (a fence never waits for a lease) and
+            # held for this header's payload only, under a receive timeout.
+            bounce = self.bounce
+            with bounce.lease() as slot, self.guard:
+                if self.dead:
+                    return
+                with bounce.held_for(self.sock, socket.SO_RCVTIMEO):
+                    for batch in bounce.plan(ranges, MAX_ROWS):
+                        recv_all(self.sock, [bounce.space(slot, int(batch[:, 1].sum()))])
+                        bounce.scatter(slot, region.data, batch, 0)
         self._got += nbytes
 
     def _stripe_end(self, msg: StripeEnd) -> None:

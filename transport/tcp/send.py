@@ -12,8 +12,8 @@ The handle completes when the peer acks: after every stripe's bytes landed
 and the notify was delivered.
 
 Payload buffers are memoryviews of the registered source memory handed to
-`sendmsg` — no staging copy — except CUDA memory, which goes through the
-stream's pinned bounce buffer (see `io.Bounce`).
+`sendmsg` — no staging copy — except CUDA memory, which goes through a slot
+of the engine's bounded bounce pool, leased per batch (`bounce.py`).
 
 Dialing: every stream is dialed under one deadline for the whole link
 (`transport.dial`: connect + Hello + Welcome), and the engine's close ends a
@@ -50,7 +50,8 @@ from ..link import Link, LinkContext, Remote
 from ..posting import Post
 from ..regions import Region
 from ..wire import ErrorMessage
-from .io import Bounce, Bounces, batches, plan_stripes, send_all, slices
+from .bounce import Bounce, BouncePool
+from .io import batches, plan_stripes, send_all, slices
 from .wire import (
     MAX_ROWS,
     PROTOCOL,
@@ -98,7 +99,7 @@ class TcpLink(Link):
     """A striped link to one peer tcp engine."""
 
     def __init__(self, ctx: LinkContext, dials: Dials, address: dict[str, Any], streams: int,
-                 bounces: Bounces) -> None:
+                 bounces: BouncePool) -> None:
         host, port, peer = address["host"], address["port"], address["engine"]
         super().__init__(ctx, peer, f"tcp engine {peer} at {host}:{port}")
         self._bounces = bounces
@@ -114,7 +115,7 @@ class TcpLink(Link):
                 hello = Hello(engine=ctx.engine_id, link=link, stream=k, streams=streams)
                 sock, _ = dial(dials, host, port, PROTOCOL, hello, peer=peer, what=self.what,
                                timeout=ctx.connect_timeout, deadline=deadline)
-                self.streams.append(_Stream(k, sock, bounces.new()))
+                self.streams.append(_Stream(k, sock, bounces.bounce(sending=True)))
         except BaseException:
             for s in self.streams:
                 s.sock.close()
@@ -204,8 +205,17 @@ class TcpLink(Link):
                     send_all(stream.sock, [memoryview(item)])
                 else:
                     self._send_stripe(stream, item)
+            except BlockingIOError:  # the send timeout armed while a bounce slot was held
+                self.sever(PeerLostError(
+                    f"{self.what} took no byte of a bounced batch for {stream.bounce.timeout} s "
+                    "while this stream held a slot of the engine's shared bounce pool; taken "
+                    "for stalled and cut, which frees the slot"))
+                return
             except OSError as exc:
                 self.sever(PeerLostError(f"sending to {self.what} failed: {exc}"))
+                return
+            except TransportError as exc:  # no bounce slot freed in time
+                self.sever(exc)
                 return
             except Exception as exc:  # a bug or a device fault: fail loudly, never hang
                 log.exception("tcp writer for %s failed", self.what)
@@ -218,27 +228,42 @@ class TcpLink(Link):
             transfer=item.transfer, stripes=item.stripes,
             nbytes=int(rows[:, 2].sum()), notify=item.notify,
         ))
-        bounce = src.view is None or self._bounces.force
-        parts = list(stream.bounce.plan(rows, MAX_ROWS) if bounce else batches(rows, MAX_ROWS))
+        if src.view is None or self._bounces.force:
+            self._send_bounced(stream, item, end)
+            return
+        parts = list(batches(rows, MAX_ROWS))
         if not parts:
             send_all(stream.sock, [memoryview(end)])
             return
         for j, batch in enumerate(parts):
-            ranges = np.ascontiguousarray(batch[:, 1:], dtype="<i8").tobytes()
-            head = PROTOCOL.pack(Segments(transfer=item.transfer, region=item.region, ranges=ranges))
-            bufs = [memoryview(head)]
-            if bounce:
-                bufs.append(stream.bounce.gather(src.data, batch, 0, item.ready))
-                sizes = None
-            else:
-                payload, lengths = slices(src.view, batch[:, 0], batch[:, 2])
-                bufs += payload
-                sizes = [len(head), *lengths]
+            head = self._head(item, batch)
+            payload, lengths = slices(src.view, batch[:, 0], batch[:, 2])
+            bufs, sizes = [memoryview(head), *payload], [len(head), *lengths]
             if j == len(parts) - 1:
                 bufs.append(memoryview(end))  # rides the same sendmsg as the last payload
-                if sizes is not None:
-                    sizes.append(len(end))
+                sizes.append(len(end))
             send_all(stream.sock, bufs, sizes)
+
+    @staticmethod
+    def _head(item: _Stripe, batch: np.ndarray) -> bytes:
+        ranges = np.ascontiguousarray(batch[:, 1:], dtype="<i8").tobytes()
+        return PROTOCOL.pack(Segments(transfer=item.transfer, region=item.region, ranges=ranges))
+
+    def _send_bounced(self, stream: _Stream, item: _Stripe, end: bytes) -> None:
+        """CUDA (or forced) source: each batch gathered into a leased slot, sent, the slot given back."""
+        bounce = stream.bounce
+        parts = list(bounce.plan(item.rows, MAX_ROWS))
+        if not parts:
+            send_all(stream.sock, [memoryview(end)])
+            return
+        for j, batch in enumerate(parts):
+            bufs = [memoryview(self._head(item, batch))]
+            with bounce.lease() as slot:
+                bufs.append(bounce.gather(slot, item.src.data, batch, 0, item.ready))
+                if j == len(parts) - 1:
+                    bufs.append(memoryview(end))
+                with bounce.held_for(stream.sock, socket.SO_SNDTIMEO):
+                    send_all(stream.sock, bufs)
 
     def _read_loop(self, stream: _Stream) -> None:
         while True:

@@ -176,7 +176,10 @@ def test_a_stalled_peer_never_delays_a_post_to_another_peer(backend: Backend, ki
             for h in handles:
                 h.wait(WAIT)
             assert worst < POST_BOUND, f"a post to the live peer took {worst:.3f} s"
-            assert not all(h.poll() for h in held), "the stalled peer took the whole flood"
+            if not rig.tx.capabilities.one_sided:
+                # A one-sided transport (nixl-all's cma) writes into a stopped process and
+                # completes without it (DONE, #23): there the flood may well land.
+                assert not all(h.poll() for h in held), "the stalled peer took the whole flood"
             expected = np.array([[i * 4096, i * 8192, 4096] for i in range(REQUESTS)], np.int64)
             assert_landed(rig.src, dst, expected)
         finally:
