@@ -54,13 +54,17 @@ class EntryMajorArena:
 
     Fill behaviour (`fill`): an arena that allocates its buffer zeroes it and
     writes every field's declared `fill` into the live entries. An arena over
-    a caller's `buf` (an engine's KV tensor, an IPC-imported pool) writes
-    NOTHING by default: wrapping memory must not change it, and that memory
-    may already hold cache. Pass `fill=True` to have the declared fills
-    written into the live entries of a caller's buffer (a freshly carved
-    plane), or `fill=False` to skip the fills of an owned buffer. Padding
-    bytes of a caller's buffer are whatever the caller left there, and they
-    travel with the entry.
+    a caller's `buf` (an engine's KV tensor, an IPC-imported pool) never
+    decides alone whether to write: wrapping memory must not change it, yet a
+    declared `-inf` score left at 0.0 turns "never selected" into "always".
+    So over a caller's buffer whose fields declare a non-zero fill, `fill`
+    must be said: `fill=True` writes the declared fills into the live
+    entries (a freshly carved plane), `fill=False` leaves the bytes as they
+    are (memory that already holds cache); left at None it is refused, as
+    `LayerMajorArena` refuses. Without declared fills a caller's buffer is
+    never written. `fill=False` also skips the fills of an owned buffer.
+    Padding bytes of a caller's buffer are whatever the caller left there,
+    and they travel with the entry.
     """
 
     kind = "entry_major"
@@ -81,6 +85,13 @@ class EntryMajorArena:
         # `plan_field_planes` leaves it empty.
         if fill is not None and not isinstance(fill, bool):
             raise LayoutError(f"fill must be True, False or None (fill iff owned), got {fill!r}")
+        unsaid = [f.name for f in fields if f.fill] if buf is not None and fill is None else []
+        if unsaid:
+            raise LayoutError(
+                f"fields {unsaid} declare a non-zero fill and buf is the caller's: pass "
+                "fill=True to write it into the live entries (a fresh buffer), or fill=False "
+                "to leave the buffer as it is (it already holds cache)"
+            )
         self._setup(fields, entries, device, buf, slot_stride, live_entries,
                     base_align=_ALIGN, fill=buf is None if fill is None else fill)
 

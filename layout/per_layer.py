@@ -12,8 +12,16 @@ stride, so their tables are the same rows; they are stamped out with one
 broadcast, never a Python loop over layers).
 
 An entry is `entry_rows` consecutive rows of every tensor (a page of
-`page_size` tokens). Rows past the last whole entry (SGLang keeps a spare
-page of padding) are not part of the pool: never registered, never written.
+`page_size` tokens). A tensor whose rows are not whole entries is refused
+rather than trimmed: the usual cause is a wrong `entry_rows`, and silently
+dropping the tail would leave rows the engine writes that no peer ever
+fills. A caller whose tail really is padding passes the whole-entry slice.
+
+Every layer must own its bytes: two layers over one byte (the same tensor
+twice, overlapping views, K and V on one storage) would each receive the
+other's pages and report Success, so that is refused here, naming both
+(`aliasing.first_alias`). Views of one allocation that do not overlap are
+the carved case and fine.
 
 What this costs on the wire is one segment per tensor per run of pages —
 `2 * layers` where an `EntryMajorArena` needs one; docs/per-layer-pools.md
@@ -27,6 +35,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from .aliasing import Footprint, first_alias
 from .checks import _check_names
 from .errors import LayoutError
 from .fields import EntryField, _require_int
@@ -65,7 +74,15 @@ class PerLayerArena:
                         f"field {name!r} layer {layer} is not contiguous; a pool registers each "
                         "tensor as one byte range, so pass the allocation itself"
                     )
-            n = first.shape[0] // self.entry_rows
+            rows = first.shape[0]
+            if rows % self.entry_rows:
+                whole = rows - rows % self.entry_rows
+                raise LayoutError(
+                    f"field {name!r} holds {rows} rows, not a multiple of entry_rows="
+                    f"{self.entry_rows} ({rows % self.entry_rows} rows left over); pass whole "
+                    f"entries, e.g. t[:{whole}], or check entry_rows (the page size)"
+                )
+            n = rows // self.entry_rows
             if entries is not None and n != entries:
                 raise LayoutError(
                     f"field {name!r} holds {n} entries of {self.entry_rows} rows but "
@@ -83,6 +100,15 @@ class PerLayerArena:
         self.device = device
         self._tensors = {name: list(per_layer) for name, per_layer in tensors.items()}
         self._by_name = {f.name: f for f in fields}
+        footprints = self.footprints()
+        alias = first_alias(footprints)
+        if alias is not None:
+            i, j, address = alias
+            raise LayoutError(
+                f"{footprints[j].label} shares memory with {footprints[i].label} (byte "
+                f"{address:#x} is in both): each would receive the other's pages; give every "
+                "layer its own memory (views of one allocation are fine where they do not overlap)"
+            )
 
     @property
     def entry_bytes(self) -> int:
@@ -115,6 +141,11 @@ class PerLayerArena:
             span = self.entries * field.per_layer_bytes
             out += [t.reshape(-1).view(torch.uint8)[:span] for t in self._tensors[field.name]]
         return out
+
+    def footprints(self) -> list[Footprint]:
+        """Each tensor's bytes, in `buffers()` order, labelled by field and layer."""
+        return [Footprint.of_tensor(f"field {f.name!r} layer {layer}", t)
+                for f in self.fields for layer, t in enumerate(self._tensors[f.name])]
 
     def plan(self, pair: np.ndarray, checkpoint: bool, plan_slots) -> list[np.ndarray]:
         """One table per buffer for validated, source-ordered `pair` (`[2, n]` int64).

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .aliasing import Footprint
 from .arenas import EntryMajorArena, LayerMajorArena, SplitEntryMajorArena
 from .errors import LayoutError
 from .fields import _require_int
@@ -71,6 +72,26 @@ def arena_buffers(arena: Arena) -> list[torch.Tensor]:
     if isinstance(arena, PerLayerArena):
         return arena.buffers()
     raise _unknown(arena)
+
+
+def arena_footprints(arena: Arena) -> list[Footprint]:
+    """The bytes a peer may write in each of `arena_buffers(arena)` (same order, unlabelled
+    where the arena has one buffer): live entries only, so interleaved planes stay apart."""
+    if isinstance(arena, SplitEntryMajorArena):
+        return [_live_slots(plane, f"plane {p}") for p, plane in enumerate(arena.arenas)]
+    if isinstance(arena, EntryMajorArena):
+        return [_live_slots(arena, "")]
+    if isinstance(arena, LayerMajorArena):
+        return [Footprint.of_tensor("", arena.buf[:arena.total_bytes])]
+    if isinstance(arena, PerLayerArena):
+        return arena.footprints()
+    raise _unknown(arena)
+
+
+def _live_slots(arena: EntryMajorArena, label: str) -> Footprint:
+    return Footprint.of(label, str(arena.buf.device),
+                        int(arena.buf.data_ptr()) + arena.first_live * arena.slot_stride,
+                        arena.slot_stride, arena.entry_bytes, arena.live_entries)
 
 
 def _index_space(arena: Arena) -> tuple[int, int]:

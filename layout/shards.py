@@ -153,6 +153,7 @@ class ShardMajorArena(EntryMajorArena):
     is contiguous at `i * slot_stride`, exactly as in the parent class. After
     construction `declared` is that global list and `fields` the synthesized
     one the bytes follow (`k@3`, ...); `view` answers both kinds of name.
+    `buf`, `slot_stride`, `live_entries` and `fill` mean what they mean there.
     """
 
     kind = "shard_major"
@@ -168,12 +169,13 @@ class ShardMajorArena(EntryMajorArena):
         buf: torch.Tensor | None = None,
         slot_stride: int | None = None,
         live_entries: int | None = None,
+        fill: bool | None = None,
     ) -> None:
         self.geometry = shard_geometry(fields, tp, rank)
         self.declared = list(fields)
         self._split = {f.name: f for f in fields if f.tp_axis is not None}
         super().__init__(list(self.geometry.local), entries, device, buf=buf,
-                         slot_stride=slot_stride, live_entries=live_entries)
+                         slot_stride=slot_stride, live_entries=live_entries, fill=fill)
 
     @property
     def tp(self) -> int:

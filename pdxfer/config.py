@@ -64,8 +64,15 @@ class EngineConfig:
       request for minutes raises it without slowing fault detection.
 
     `connect_timeout` (default: `timeout`) bounds opening a data connection:
-    the transport's dial and handshake and the first region lookup. Every
-    other wait (close, abort grace) derives from these; see the properties.
+    the transport's dial and handshake and the first region lookup. It is
+    also how long a decode keeps trying to reach a prefill it has never
+    reached (a decode started first, a name not resolvable yet): the
+    bootstrap host is resolved off the progress thread and redialled with
+    backoff (50 ms doubling to 1 s) until `connect_timeout` has passed since
+    the first dial; then its requests fail as "not reached" (a request whose
+    `request_timeout` ends first fails so too; an address whose prefill was
+    reached and then lost is not redialled). Every other wait (close,
+    abort grace) derives from these; see the properties.
 
     Durations must be finite and positive: NaN would silently disable every
     timeout (no comparison with NaN is ever true) and `inf` would make a dead

@@ -3,10 +3,11 @@
 A serving worker allocates destination entries and calls
 `expect(request_id, prefill_addr, {pool: dst_indices})`. The first request to
 a prefill dials its bootstrap address and runs the handshake (the request is
-Bootstrapping meanwhile); a layout mismatch fails the request with the pool
-and field named, before any byte could move. The link is then cached and
-reused; a lost link is forgotten, so the next request dials afresh — a
-restarted prefill on the same port serves it.
+Bootstrapping meanwhile; a prefill not reachable yet is redialled within
+`connect_timeout`: `decode_dials`); a refused handshake (a layout mismatch:
+pool and field named, before any byte could move) fails its requests on
+both sides. The link is then cached and reused; a lost link is forgotten, so
+the next request dials afresh — a restarted prefill on the same port serves it.
 
 The prefill may be named by a directory record (`pdxfer.directory.PeerRecord`)
 instead of an address: its fingerprints are checked before dialing, its
@@ -42,6 +43,7 @@ from pdxfer.transport.errors import PeerLostError, ProtocolError
 
 from . import resizing
 from .config import EngineConfig, KVPoll
+from .decode_dials import Dials
 from .directory.records import PeerRecord
 from .engine import Engine
 from .errors import LayoutMismatchError, RequestError
@@ -49,14 +51,14 @@ from .handshake import record_mismatch, welcome_mismatch, why_lost
 from .inbound import DecodeRequest, PrefillPeer, expect_message
 from .lifecycle import DecodeLife, DPhase, Fence, Finish, Quarantine, Send, Timing
 from .pools import layout_error
-from .protocol import Abort, AbortAck, Fenced, Hello, Ping, Refuse, Welcome, decode_notify
+from .protocol import Abort, AbortAck, Fenced, Ping, Refuse, Welcome, decode_notify
 from .requests import check_request_id
 from .session import Link, parse_address
 
 log = logging.getLogger("pdxfer")
 
 
-class DecodeEngine(Engine):
+class DecodeEngine(Dials, Engine):
     """The receiving side; dials prefills on demand and fences them when they misbehave."""
 
     role = "decode"
@@ -75,6 +77,7 @@ class DecodeEngine(Engine):
         self._directory = directory
         self._unsubscribe = None
         super().__init__(pools, config)
+        self._init_dials()
         self._timing = Timing(self.config.request_wait, self.config.grace)
         self._transport.set_notify_handler(self._on_notify)
         self._can_fence = self._transport.capabilities.fence
@@ -192,19 +195,14 @@ class DecodeEngine(Engine):
             return
         # A request aborted while dialing still binds: the prefill must hear its Abort.
         session = self._sessions.get(req.peer)
-        if session is not None and (session.link is None or session.link.closed):
+        if session is not None and session.link is not None and session.link.closed \
+                and not session.link.connecting:
             session = None  # closed, its loss not yet handled: never join it; dial afresh
         if session is not None and session.engine is not None:
             if not self._incarnation(req, session, session.engine, welcome=False):
                 return  # failed, re-resolved elsewhere, or waiting for the old link's cut
-        if session is None:
-            try:
-                session = self._dial(req.peer, req.record.engine)
-            except OSError as exc:  # no socket, or a host name that does not resolve
-                why = f"cannot connect to prefill at {req.peer}: {exc}"
-                with self._lock:
-                    self._apply(req, req.life.on_link_lost(why, PeerLostError(why)))
-                return
+        if session is None:  # dialled once this request is bound (decode_dials)
+            session = self._dial(req.peer, req.record.engine)
         with self._lock:
             req.session = session
             session.requests.add(req.id)
@@ -212,17 +210,6 @@ class DecodeEngine(Engine):
                 self._apply(req, req.life.on_link_ready(time.monotonic()))
             else:
                 session.waiting.append(req)
-
-    def _dial(self, addr: str, expected: str | None) -> PrefillPeer:
-        host, port = parse_address(addr)
-        session = PrefillPeer(addr, expected)
-        link = Link.dial(host, port, self._progress, f"prefill at {addr}", self._on_message,
-                         lambda lk, why: self._progress.call(self._link_lost, lk, why))
-        link.owner, session.link = session, link
-        self._sessions[addr] = session
-        link.send(Hello(self.engine_id, self.config.transport, self._transport.address(),
-                        **self._pools.hello_fields()))
-        return session
 
     def _on_notify(self, sender: str, payload: bytes) -> None:
         """Transport thread: one transfer of some request landed. Queued; never blocks.
@@ -277,6 +264,9 @@ class DecodeEngine(Engine):
                 self._on_welcome(session, msg)
             elif isinstance(msg, Refuse):
                 session.refusal = (msg.kind, msg.reason)
+                log.warning("pdxfer decode: prefill at %s refused the handshake (%s): %s",
+                            session.addr, msg.kind, msg.reason)
+                self._doom(session)
                 link.close(f"prefill at {session.addr} refused the handshake: {msg.reason}")
             else:
                 link.refuse(f"expected welcome or refuse, got {type(msg).TYPE!r}")
@@ -301,6 +291,8 @@ class DecodeEngine(Engine):
             return session.link.refuse(str(exc))
         if reason is not None:
             session.refusal = ("layout", reason)
+            log.warning("pdxfer decode: refused prefill at %s: %s", session.addr, reason)
+            self._doom(session)
             return session.link.close(f"layout mismatch with prefill at {session.addr}")
         waiting, session.waiting = session.waiting, []
         keep = [req for req in waiting if self._incarnation(req, session, msg.engine, welcome=True)]
@@ -310,6 +302,7 @@ class DecodeEngine(Engine):
         session.waiting = keep
         session.engine = msg.engine
         session.ready = True
+        self._reached(session.addr)
         session.link.label = f"prefill {msg.engine} at {session.addr}"
         now = time.monotonic()
         with self._lock:
@@ -411,8 +404,14 @@ class DecodeEngine(Engine):
         session: PrefillPeer = link.owner
         if self._closed:
             return  # close() fails the requests itself, after the transport is down
+        if link.connecting:  # it never connected: nothing was lost
+            if session.link is link:
+                self._not_reached(session, reason)
+            return
         if self._sessions.get(session.addr) is session:
             del self._sessions[session.addr]  # the next request dials afresh
+        if session.ready:
+            self._lost(session.addr)
         reason, error = why_lost(session.addr, session.refusal, reason, reached=session.ready)
         with self._lock:
             reqs = session.waiting + [r for rid in session.requests
@@ -425,6 +424,7 @@ class DecodeEngine(Engine):
     # -- timers (progress thread) ----------------------------------------------------
     def _tick(self, now: float) -> float:
         cfg = self.config
+        close, wake = self._tick_dials(now)  # first: a request never connected says so, not "timed out"
         fences: dict[int, tuple[PrefillPeer, list[DecodeRequest]]] = {}
         with self._lock:
             for req in self._table.running():
@@ -438,10 +438,9 @@ class DecodeEngine(Engine):
             with self._lock:
                 for req in gone:
                     self._apply(req, req.life.on_peer_gone())
-        close = []
         for session in list(self._sessions.values()):
             link = session.link
-            if link is None or link.closed:
+            if link is None or link.closed or link.connecting:
                 continue
             if not session.ready and now - link.opened > cfg.bootstrap_wait:
                 close.append((link, f"handshake with prefill at {session.addr} did not finish "
@@ -451,13 +450,14 @@ class DecodeEngine(Engine):
         self._close_links(close)
         for session, reqs in fences.values():
             self._fence(session, reqs)
-        return 0.005 if aborting else min(0.1, cfg.heartbeat / 2)
+        return 0.005 if aborting else min(0.1, cfg.heartbeat / 2, wake)
 
     # -- close ----------------------------------------------------------------
     def _shutdown(self) -> None:
         if self._unsubscribe is not None:
             self._unsubscribe()
         self._run_on_progress(self._shutdown_on_thread, self.config.shutdown_wait)
+        self._lookups.close(self.config.shutdown_wait)
 
     def _shutdown_on_thread(self) -> None:
         with self._lock:

@@ -29,17 +29,17 @@ caller, so a slow old dial can never install itself over a newer one.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from pdxfer.transport.errors import CapabilityError, PeerLostError, ProtocolError, TransportError
+from pdxfer.transport.errors import CapabilityError, PeerLostError, ProtocolError
 
 from .pools import PoolSet, Route, layout_error, mismatch, peer_routes
 from .protocol import Hello, Welcome
+from .workers import Workers
 
 _EMPTY = np.empty((0, 3), dtype=np.int64)
 
@@ -119,20 +119,18 @@ def why_lost(addr: str, refusal: tuple[str, str] | None, reason: str,
     return reason, PeerLostError(reason)
 
 
-class DataLinks:
-    """Worker threads that (re)open data connections and close dead ones; joined on close."""
+class DataLinks(Workers):
+    """Worker threads that (re)open data connections and close dead ones; joined on close
+    (bounded: each is bounded by the connect wait)."""
 
     def __init__(self, transport: Any, wait: float, name: str,
                  on_ready: Callable[[Any, int, Any], None],
                  on_failed: Callable[[Any, int, BaseException], None]) -> None:
+        super().__init__(name)
         self._transport = transport
         self._wait = wait
-        self._name = name
         self._on_ready = on_ready
         self._on_failed = on_failed
-        self._lock = threading.Lock()
-        self._threads: set[threading.Thread] = set()
-        self._closed = False
 
     def open(self, peer: Any, epoch: int, old: Any = None) -> None:
         """Start (re)opening `peer`'s data connection; `old`, if given, is closed first."""
@@ -141,21 +139,6 @@ class DataLinks:
     def retire(self, conn: Any, then: Callable[[], None] | None = None) -> None:
         """Close `conn` off the caller's thread, then run `then` (e.g. post a callback)."""
         self._spawn(self._retire, conn, then)
-
-    def _spawn(self, fn: Callable[..., None], *args: Any) -> None:
-        thread = threading.Thread(target=self._guard, args=(fn, *args), daemon=True, name=self._name)
-        with self._lock:
-            if self._closed:
-                return
-            self._threads.add(thread)
-        thread.start()
-
-    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            fn(*args)
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
 
     @staticmethod
     def _retire(conn: Any, then: Callable[[], None] | None) -> None:
@@ -177,21 +160,15 @@ class DataLinks:
             handles = [conn.write(region, remote, _EMPTY) for region, remote in peer.warm]
             for handle in handles:
                 handle.wait(max(0.001, until - time.monotonic()))
-        except (TransportError, OSError) as exc:
+        # Not only transport errors: a failed pinned allocation (RuntimeError,
+        # MemoryError) or a backend bug must also end this attempt, or the
+        # peer stays "opening" and no later request ever reopens it.
+        except Exception as exc:  # noqa: BLE001 — reported to the engine, which fails the connect
             if conn is not None:
                 try:
                     conn.close()
-                except TransportError:
+                except Exception:  # noqa: BLE001 — the attempt already failed; its first cause is kept
                     pass
             self._on_failed(peer, epoch, exc)
             return
         self._on_ready(peer, epoch, conn)
-
-    def close(self, timeout: float) -> None:
-        """Stop taking work and join the workers (bounded: each is bounded by the connect wait)."""
-        with self._lock:
-            self._closed = True
-            threads = list(self._threads)
-        until = time.monotonic() + timeout
-        for thread in threads:
-            thread.join(max(0.0, until - time.monotonic()))

@@ -51,12 +51,26 @@ class DecodeRequest(Request):
 
 
 class PrefillPeer:
-    """One prefill engine as this decode sees it, keyed by its bootstrap address."""
+    """One prefill engine as this decode sees it, keyed by its bootstrap address.
 
-    __slots__ = ("addr", "engine", "expected", "link", "ready", "refusal", "requests", "waiting")
+    Until its control link first connects, the decode keeps dialling it until
+    `connect_by` (`decode_dials`): `attempts` so far, `retry_at` the next,
+    `resolving` while its host name is being looked up, `why_not` what the
+    last attempt ran into; `retry` False for an address whose prefill was
+    reached before and then lost (not redialled: it is gone).
+    """
 
-    def __init__(self, addr: str, expected: str | None = None) -> None:
+    __slots__ = ("addr", "attempts", "connect_by", "engine", "expected", "link", "ready",
+                 "refusal", "requests", "resolving", "retry", "retry_at", "waiting", "why_not")
+
+    def __init__(self, addr: str, expected: str | None, connect_by: float, retry: bool = True) -> None:
         self.addr = addr
+        self.connect_by = connect_by
+        self.attempts = 0
+        self.retry_at: float | None = None
+        self.resolving = False
+        self.why_not: str | None = None
+        self.retry = retry
         self.link: Link | None = None
         self.engine: str | None = None  # the prefill's transport engine id, from Welcome
         self.expected = expected  # the engine id the dialing request's record named (None: any)
@@ -69,14 +83,25 @@ class PrefillPeer:
 def expect_message(pools: PoolSet, rid: str, xid: int, indices: Mapping[str, Any]
                    ) -> tuple[dict[str, np.ndarray], Expect]:
     """`(destinations per pool, the Expect to send)`, or the refusal naming what was wrong."""
+    dst = expect_destinations(pools.arenas, rid, indices)
+    return dst, Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()})
+
+
+def expect_destinations(arenas: Mapping[str, Any], rid: str, indices: Mapping[str, Any]
+                        ) -> dict[str, np.ndarray]:
+    """Every check `expect_message` runs, without framing: for a caller that checks before it commits.
+
+    `tp_group.HeteroTPDecode` asks this for each of its sub-requests before
+    the first exists, so a refusal leaves none behind.
+    """
     if not isinstance(indices, Mapping) or not indices:
         raise RequestError(f"expect({rid!r}): indices must be a non-empty mapping pool -> indices")
     dst = {}
     for pool, idx in indices.items():
-        arena = pools.arenas.get(pool)
+        arena = arenas.get(pool)
         if arena is None:
             raise RequestError(
-                f"expect({rid!r}): no pool {pool!r} on this decode; pools: {sorted(pools.arenas)}"
+                f"expect({rid!r}): no pool {pool!r} on this decode; pools: {sorted(arenas)}"
             )
         dst[pool] = layout.check_indices(arena, idx, what=f"pool {pool!r} destination index",
                                          unique=True)
@@ -94,4 +119,4 @@ def expect_message(pools: PoolSet, rid: str, xid: int, indices: Mapping[str, Any
     if size > MAX_FRAME:
         raise RequestError(f"expect({rid!r:.80}): its Expect cannot be framed: up to {size} B "
                            f"exceeds the {MAX_FRAME} B control frame limit; use shorter pool names")
-    return dst, Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()})
+    return dst

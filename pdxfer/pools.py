@@ -45,6 +45,8 @@ import numpy as np
 import torch
 
 from pdxfer import layout
+from pdxfer.layout.aliasing import first_alias
+from pdxfer.layout.segments import arena_footprints
 from pdxfer.transport import streams
 from pdxfer.transport.base import LocalRegion, TransportEngine
 from pdxfer.transport.errors import ProtocolError, RegistrationError
@@ -84,6 +86,7 @@ class PoolSet:
         self.generation = 0  # bumped by `replace`: routes re-read their arena before planning
         self.regions: list[LocalRegion] = []
         self.buffers: dict[str, list[tuple[int, int]]] = {}
+        _refuse_aliases(self.arenas)
         self._register(engine)
         self.cuda_regions = [r for r in self.regions if r.device == "cuda"]  # what `readiness` covers
 
@@ -191,6 +194,27 @@ class PoolSet:
             "buffers": {n: [list(p) for p in b] for n, b in self.buffers.items()},
             "regions": [r.descriptor() for r in self.regions],
         }
+
+
+def _refuse_aliases(arenas: Mapping[str, Any]) -> None:
+    """`LayoutError` naming two pools (or layers, planes) that share a byte; before registering.
+
+    Sharing an allocation is fine (carved pools, planes interleaved in one
+    slot); sharing a byte is not: both would receive it (`layout.aliasing`).
+    """
+    footprints, labels = [], []
+    for name, arena in arenas.items():
+        for fp in arena_footprints(arena):
+            footprints.append(fp)
+            labels.append(f"pool {name!r}" + (f" {fp.label}" if fp.label else ""))
+    alias = first_alias(footprints)
+    if alias is not None:
+        i, j, address = alias
+        raise LayoutError(
+            f"{labels[j]} shares memory with {labels[i]} (byte {address:#x} is in both): each "
+            "would receive the other's requests; give each pool its own memory, or carve one "
+            "allocation into disjoint parts (layout.carve)"
+        )
 
 
 def mismatch(prefill: tuple[dict, dict], decode: tuple[dict, dict]) -> str | None:

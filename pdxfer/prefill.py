@@ -31,7 +31,7 @@ from pdxfer.transport.errors import ProtocolError, TransportError
 from .config import EngineConfig, KVPoll, RequestStats
 from .engine import Engine
 from .errors import LayoutError, RequestError
-from .handshake import DataLinks
+from .handshake import DataLinks, Refusal
 from .lifecycle import Cut, Finish, PrefillLife, Send, Timing
 from .outbound import (
     Chunk,
@@ -104,9 +104,14 @@ class PrefillEngine(DecodePeers, Engine):
         with self._lock:
             self._check_open()
             req = self._table.find(rid)
+            checked = False
             if req is None:
+                tomb = self._table.tombstones.get(rid)
+                if tomb is None:  # checked before the record exists: refused leaves nothing
+                    self._check_sources(chunk)
+                    checked = True
                 req = PrefillRequest(rid, PrefillLife(rid, self._timing, now, local=True))
-                tomb = self._table.tombstones.pop(rid)
+                self._table.tombstones.pop(rid)
                 self._table.add(req)
                 if tomb is not None:  # the decode gave up on it before the caller got here
                     return self._apply(req, req.life.on_abort(tomb.reason or "failed", now, False))
@@ -116,13 +121,17 @@ class PrefillEngine(DecodePeers, Engine):
             ready = session is not None and session.ready
             if life.posts_now(ready):
                 chunk.parts = plan_chunk(req, chunk, self._pools)  # refusals raise here, before any change
-            else:
-                for pool, src in chunk.indices.items():
-                    layout.check_indices(self._pools.arenas[pool], src, what=f"pool {pool!r} source index")
+            elif not checked:
+                self._check_sources(chunk)
             self._apply(req, life.on_send(chunk, chunk.last, ready, now))
             req.sources.append(chunk.indices)  # in flight until the request finishes (resize)
             if session is not None and not ready:
                 self._reopen(session)
+
+    def _check_sources(self, chunk: Chunk) -> None:
+        """Refuse source indices outside their pools: what a queued chunk is checked by."""
+        for pool, src in chunk.indices.items():
+            layout.check_indices(self._pools.arenas[pool], src, what=f"pool {pool!r} source index")
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Give up on a request; the decode hears of it at once. Non-blocking."""
@@ -177,6 +186,12 @@ class PrefillEngine(DecodePeers, Engine):
             if isinstance(msg, Hello):
                 return self._on_hello(link, msg)
             return link.refuse(f"expected a hello first, got {type(msg).TYPE!r}")
+        if isinstance(session, Refusal):  # a refused decode names the requests that dooms
+            if not isinstance(msg, (Abort, Ping)):
+                link.refuse(f"refused ({session.reason}); expected only its aborts, got {type(msg).TYPE!r}")
+            if not isinstance(msg, Abort):
+                return
+            session = None
         if isinstance(msg, Expect):
             return self._on_expect(session, msg)
         if isinstance(msg, LiveRange):  # the decode moved a pool boundary (resizing)
@@ -198,8 +213,8 @@ class PrefillEngine(DecodePeers, Engine):
             if isinstance(msg, Abort) and req is None:  # nothing here yet: remember why
                 self._table.tombstones.add(msg.request, RequestOutcome(
                     KVPoll.Failed, msg.reason, None, RequestStats(0, 0, 0, 0.0)))
-            ours = (isinstance(req, PrefillRequest) and req.life.xid == msg.xid
-                    and req.session is session)
+            ours = (session is not None and isinstance(req, PrefillRequest)
+                    and req.life.xid == msg.xid and req.session is session)
             if isinstance(msg, Done):
                 if ours:
                     req.handles = []  # decode saw every notify: every byte is in its memory
@@ -207,7 +222,7 @@ class PrefillEngine(DecodePeers, Engine):
             elif ours or (isinstance(req, PrefillRequest) and not req.life.expected):
                 self._apply(req, req.life.on_peer_abort(msg.reason, now, bool(unfinished(req.handles))),
                             via=session)
-            else:
+            elif session is not None:
                 session.link.send(AbortAck(msg.request, msg.xid, True))
 
     def _on_expect(self, session: DecodePeer, msg: Expect) -> None:
@@ -251,6 +266,6 @@ class PrefillEngine(DecodePeers, Engine):
                                                                  err, now))
                 self._apply(req, req.life.on_tick(now, bool(unfinished(req.handles))))
                 failing = failing or req.life.failing is not None
-            silent = self._watch(self._links, now, lambda link: link.owner is not None)
+            silent = self._watch(self._links, now, lambda link: isinstance(link.owner, DecodePeer))
         self._close_links(silent)
         return 0.005 if failing else min(0.1, cfg.heartbeat / 2)

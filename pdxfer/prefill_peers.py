@@ -98,8 +98,9 @@ class DecodePeers:
                     self._apply(req, req.life.on_link_ready(now))
 
     def _on_data_failed(self, session: DecodePeer, epoch: int, exc: BaseException) -> None:
-        reason = (f"prefill cannot reach the decode's {self.config.transport} endpoint "
-                  f"{session.address!r}: {exc}")
+        what = ("cannot reach" if isinstance(exc, (TransportError, OSError))
+                else f"failed opening ({type(exc).__name__}) a data connection to")
+        reason = f"prefill {what} the decode's {self.config.transport} endpoint {session.address!r}: {exc}"
         with self._lock:
             if epoch != session.epoch or session.link.closed:
                 return
@@ -149,15 +150,28 @@ class DecodePeers:
         with self._lock:
             self._reopen(session)  # the Welcome goes out once the data connection is warm
 
-    @staticmethod
-    def _refuse(link: Link, kind: str, reason: str) -> None:
+    def _refuse(self, link: Link, kind: str, reason: str) -> None:
+        """Refuse a decode's handshake, logged; keep its link to hear which requests that dooms.
+
+        The decode answers a `Refuse` with an `Abort` per request it was about
+        to expect, then hangs up: that is how a prefill's sender learns of a
+        refusal at once instead of waiting out `request_timeout` (#18). The
+        link stays a stranger's (small frames, `connect_timeout` to hang up,
+        `Engine._watch`) and its owner becomes the `Refusal`.
+        """
+        log.warning("pdxfer prefill: refused %s (%s): %s", link.label, kind, reason)
+        session = link.owner
+        if isinstance(session, DecodePeer) and self._sessions.get(session.engine) is session:
+            del self._sessions[session.engine]  # never welcomed: nothing of it to cut
+        link.owner = Refusal(kind, reason)
+        link.handshaken = False
+        link.opened = time.monotonic()  # its connect_timeout to hang up runs from the refusal
         link.send(Refuse(kind, reason))
-        link.close(f"refused {link.label}: {reason}")
 
     def _link_lost(self, link: Link, reason: str) -> None:
         self._links.discard(link)
-        session: DecodePeer | None = link.owner
-        if session is None:
+        session = link.owner
+        if not isinstance(session, DecodePeer):  # a stranger, or a refused decode
             return
         why = f"decode engine {session.engine} lost: {reason}"
         now = time.monotonic()

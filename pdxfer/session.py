@@ -54,6 +54,7 @@ from pdxfer.transport.wire import LENGTH, ErrorMessage
 from .errors import RequestError
 from .progress import Progress
 from .protocol import CONTROL, MAX_FRAME
+from .resolver import resolve_blocking
 
 log = logging.getLogger("pdxfer")
 
@@ -90,10 +91,14 @@ def format_address(host: str, port: int) -> str:
 
 
 def listen(host: str, port: int, who: str) -> socket.socket:
-    """A non-blocking listening socket (IPv4 or IPv6 by the host's spelling), or `TransportError`."""
+    """A non-blocking listening socket on `host`'s first address (its family from `getaddrinfo`).
+
+    Resolves on the caller's thread (an engine's constructor), so a name
+    that resolves to IPv6 only listens on IPv6; `""` means every interface.
+    """
     try:
-        sock = socket.create_server((host, port), backlog=128,
-                                    family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        family, sockaddr = resolve_blocking(host or None, port, socket.AI_PASSIVE)[0]
+        sock = socket.create_server(sockaddr, backlog=128, family=family)
     except OSError as exc:
         raise TransportError(
             f"{who} cannot listen on {format_address(host, port)}: {exc}; "
@@ -146,16 +151,19 @@ class Link:
 
     # -- opening ----------------------------------------------------------
     @classmethod
-    def dial(cls, host: str, port: int, progress: Progress, label: str,
+    def dial(cls, family: int, sockaddr: Any, progress: Progress, label: str,
              on_message: Callable[[Link, Any], None],
              on_close: Callable[[Link, str], None]) -> Link:
-        """Start a non-blocking connect; frames sent meanwhile go out once it completes."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        """Start a non-blocking connect to a resolved address; frames sent meanwhile go out once it completes.
+
+        `(family, sockaddr)` come from `resolver`: a host name is never
+        looked up here, since this runs on the progress thread.
+        """
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            err = sock.connect_ex((host, port))
-        except OSError:  # a name that does not resolve: nothing to keep open
+            err = sock.connect_ex(sockaddr)
+        except OSError:  # an address this host cannot use: nothing to keep open
             sock.close()
             raise
         link = cls(sock, progress, label, on_message, on_close, connecting=True)

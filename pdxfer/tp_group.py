@@ -16,10 +16,16 @@ This module composes; it adds no wire message, thread or state machine:
   rank order, a list or `group_address`'s comma-joined string).
 - `HeteroTPPrefill.send(rid, indices, decode_tp=D)`: one `send()` per decode
   rank this prefill rank contributes to (none is fine: Success at once).
-- `poll`/`wait`: Success when every sub-request succeeded. When one fails,
-  the others are aborted; Failed is reported only once every sub-request has
-  finished, so the engine's per-request guarantee (no byte lands after
-  Failed) holds for the whole request. `abort` aborts them all.
+- `poll`/`wait`: Success when every sub-request succeeded, and never
+  otherwise. When one fails (or is Quarantined), the others are aborted;
+  Failed is reported only once every sub-request has finished, so the
+  engine's per-request guarantee (no byte lands after Failed) holds for the
+  whole request. `abort` aborts them all.
+- A refused call leaves no request behind: `expect` runs every check the
+  engine would on each sub-request before the first exists; should the
+  engine still refuse one (a duplicate id it alone knows), the siblings
+  already expected are aborted, the request is forgotten here
+  (`UnknownRequestError`), and those siblings are released once finished.
 
 Propagation is through shared ranks: a failed pair aborts its siblings on both
 of its ranks, whose peers then fail theirs. Decode ranks that share no prefill
@@ -41,7 +47,8 @@ from pdxfer import layout
 from .config import KVPoll, RequestStats
 from .decode import DecodeEngine
 from .directory.records import PeerRecord
-from .errors import ConfigError, RequestError, RequestFailed, TransferTimeout
+from .errors import ConfigError, RequestError, RequestFailed, TransferTimeout, UnknownRequestError
+from .inbound import expect_destinations
 from .prefill import PrefillEngine
 from .requests import check_request_id
 
@@ -87,40 +94,76 @@ class _Group:
     def __init__(self, engine: Any, pools: Mapping[str, Any]) -> None:
         self.engine = engine
         self.tp, self.rank, self._split = _splits(pools)
+        self._arenas = dict(pools)
         self._lock = threading.Lock()
         self._subs: dict[str, list[str]] = {}
         self._aborted: set[str] = set()
+        # Sub-requests of refused calls: aborted, released here once finished.
+        self._orphans: list[str] = []
 
     def _add(self, request_id: str, subs: list[str]) -> None:
         with self._lock:
             if request_id in self._subs:
                 raise RequestError(f"request {request_id!r} is already in this TP group")
             self._subs[request_id] = subs
+            self._release_orphans()
+
+    def _forget(self, request_id: str, started: list[str], reason: str) -> None:
+        """Undo a refused call: abort the sub-requests it started and forget the request."""
+        for sub in started:
+            self.engine.abort(sub, reason)
+        with self._lock:
+            self._subs.pop(request_id, None)
+            self._orphans += started
+
+    def _release_orphans(self) -> None:
+        """Release the orphans that have finished (lock held; the engine's reads never wait)."""
+        keep = []
+        for sub in self._orphans:
+            try:
+                if self.engine.poll(sub).finished:
+                    self.engine.release(sub)
+                    continue
+            except UnknownRequestError:
+                continue
+            keep.append(sub)
+        self._orphans = keep
 
     def _get(self, request_id: str) -> list[str]:
         with self._lock:
             try:
                 return self._subs[check_request_id(request_id)]
             except KeyError:
-                raise RequestError(f"no request {request_id!r} in this TP group") from None
+                raise UnknownRequestError(
+                    f"no request {request_id!r} in this TP group: never expected or sent here, "
+                    "refused, or already released"
+                ) from None
 
     def sub_requests(self, request_id: str) -> list[str]:
         """The engine request ids `request_id` is made of on this rank."""
         return list(self._get(request_id))
 
     def poll(self, request_id: str) -> KVPoll:
-        """The least advanced sub-request's state; Failed once a failure has drained."""
+        """Success only when every sub-request succeeded; Failed once a failure has drained.
+
+        Otherwise the least advanced running state — except that a failed
+        sub-request still Quarantined (5, which sorts above Success) makes
+        the whole request Quarantined: failed, entries not yet the caller's.
+        """
         subs = self._get(request_id)
         states = [self.engine.poll(s) for s in subs]
-        if KVPoll.Failed not in states:
-            return min(states, default=KVPoll.Success)
+        failed = (KVPoll.Failed, KVPoll.Quarantined)
+        if not any(s in failed for s in states):
+            return min(states, default=KVPoll.Success)  # no sub-request: a prefill rank with no part
         if request_id not in self._aborted:
             self._aborted.add(request_id)
             reason = self.failure_reason(request_id) or "failed"
             for sub, state in zip(subs, states, strict=True):
-                if not state.finished:
+                if not state.finished and state is not KVPoll.Quarantined:
                     self.engine.abort(sub, f"a sibling rank pair failed: {reason}")
             states = [self.engine.poll(s) for s in subs]
+        if KVPoll.Quarantined in states:
+            return KVPoll.Quarantined
         return KVPoll.Failed if all(s.finished for s in states) else min(
             s for s in states if not s.finished)
 
@@ -128,7 +171,7 @@ class _Group:
         """The first failed sub-request's reason, naming it."""
         for sub in self._get(request_id):
             reason = self.engine.failure_reason(sub)
-            if reason is not None and self.engine.poll(sub) is KVPoll.Failed:
+            if reason is not None and self.engine.poll(sub) in (KVPoll.Failed, KVPoll.Quarantined):
                 return f"{sub}: {reason}"
         return None
 
@@ -194,6 +237,8 @@ class HeteroTPDecode(_Group):
         """
         rid = check_request_id(request_id)
         addrs = _group(prefill_group)
+        if not isinstance(indices, Mapping) or not indices:
+            raise RequestError(f"expect({rid!r}): indices must be a non-empty mapping pool -> indices")
         unknown = sorted(set(indices) - set(self._split))
         if unknown:
             raise RequestError(f"expect({rid!r}): no pool(s) {unknown} in this TP group")
@@ -203,6 +248,9 @@ class HeteroTPDecode(_Group):
             for p in layout.contributing_ranks(len(addrs), self.tp, self.rank, split=self._split[pool]):
                 plan.setdefault(p, {})[pool] = idx
         subs = [sub_request_id(rid, p, self.rank) for p in sorted(plan)]
+        for p, sub in zip(sorted(plan), subs, strict=True):  # what engine.expect would refuse
+            check_request_id(sub)  # addresses: check_prefill above
+            plan[p] = expect_destinations(self._arenas, sub, plan[p])
         self._add(rid, subs)
         done: list[str] = []
         try:
@@ -210,10 +258,7 @@ class HeteroTPDecode(_Group):
                 self.engine.expect(sub, addrs[p], plan[p])
                 done.append(sub)
         except BaseException:
-            for sub in done:
-                self.engine.abort(sub, "a sibling expect was refused")
-            with self._lock:
-                self._subs[rid] = done
+            self._forget(rid, done, "a sibling expect was refused")
             raise
 
 
@@ -249,5 +294,12 @@ class HeteroTPPrefill(_Group):
             self._add(rid, subs)
         elif known != subs:
             raise RequestError(f"send({rid!r}): decode_tp changed between chunks")
-        for q, sub in zip(sorted(plan), subs, strict=True):
-            self.engine.send(sub, plan[q], last=last, checkpoint=checkpoint, ready=ready)
+        done: list[str] = []
+        try:
+            for q, sub in zip(sorted(plan), subs, strict=True):
+                self.engine.send(sub, plan[q], last=last, checkpoint=checkpoint, ready=ready)
+                done.append(sub)
+        except BaseException:
+            if known is None:  # the call that created the request: refused, it leaves none
+                self._forget(rid, done, "a sibling send was refused")
+            raise

@@ -259,7 +259,10 @@ def test_wrapping_a_callers_buffer_changes_none_of_its_bytes(setup, owned_fill_o
     fields, entries, stride, live = setup
     size = EntryMajorArena(fields, entries, "meta", slot_stride=stride).total_bytes
     buf = torch.full((size,), CANARY, dtype=torch.uint8)
-    EntryMajorArena(fields, entries, "cpu", buf=buf, slot_stride=stride, live_entries=live)
+    try:  # declared fills make `fill` a required choice; either way nothing is written
+        EntryMajorArena(fields, entries, "cpu", buf=buf, slot_stride=stride, live_entries=live)
+    except LayoutError:
+        assert any(f.fill for f in fields)
     EntryMajorArena(fields, entries, "cpu", buf=buf, slot_stride=stride, fill=False)
     assert torch.equal(buf, torch.full_like(buf, CANARY))
     if owned_fill_off:  # fill=False on an owned buffer: zeroed, declared fills skipped
@@ -279,3 +282,18 @@ def test_padding_is_spelled_out_when_the_buffer_is_short() -> None:
         EntryMajorArena(fields, 4, "cpu", buf=torch.zeros(2400, dtype=torch.uint8), slot_stride=1792)
     with pytest.raises(LayoutError, match="fill must be True, False or None"):
         EntryMajorArena(fields, 4, "cpu", fill=1)
+
+
+def test_a_callers_buffer_with_declared_fills_needs_fill_said() -> None:
+    """A `-inf` score left at 0.0 turns "never selected" into "always": say which you mean."""
+    fields = [EntryField("kv", 1, (4,), torch.float32),
+              EntryField("score", 1, (4,), torch.float32, fill=float("-inf"))]
+    buf = torch.full((2 * 512,), CANARY, dtype=torch.uint8)
+    with pytest.raises(LayoutError, match=(
+            r"fields \['score'\] declare a non-zero fill .* pass fill=True to write it into the "
+            r"live entries .* or fill=False to leave the buffer as it is")):
+        EntryMajorArena(fields, 2, "cpu", buf=buf)
+    assert (buf == CANARY).all()
+    assert torch.isneginf(EntryMajorArena(fields, 2, "cpu", buf=buf, fill=True).view("score")).all()
+    EntryMajorArena(fields, 2, "cpu", buf=buf, fill=False)
+    EntryMajorArena(fields[:1], 2, "cpu", buf=buf)  # no fill declared: nothing to decide

@@ -94,3 +94,46 @@ def test_indices_are_checked_before_any_table() -> None:
     arena = PerLayerArena(_engine_tensors(8, 0), entry_rows=P)
     with pytest.raises(LayoutError, match="destination index 8 at position 1 is >= the 8 entries"):
         plan_segments(arena, [0, 1], [0, 8])
+
+
+def _kv(rows: int = 4 * P) -> torch.Tensor:
+    return torch.zeros(rows, H, D, dtype=torch.bfloat16)
+
+
+def _aliased_same_tensor() -> dict:
+    t = _kv()
+    return {"k": [_kv(), t], "v": [_kv(), t]}
+
+
+def _aliased_views() -> dict:
+    whole = torch.zeros(5 * P, H, D, dtype=torch.bfloat16)
+    return {"k": [whole[:4 * P], whole[P:]]}  # rows P..4P-1 in both layers
+
+
+def _aliased_k_v() -> dict:
+    kv = torch.zeros(2, 4 * P, H, D, dtype=torch.bfloat16)
+    return {"k": [kv[0], kv[1]], "v": [kv[1], _kv()]}  # k layer 1 is v layer 0
+
+
+@pytest.mark.parametrize(("build", "match"), [
+    (_aliased_same_tensor, r"field 'v' layer 1 shares memory with field 'k' layer 1"),
+    (_aliased_views, r"field 'k' layer 1 shares memory with field 'k' layer 0"),
+    (_aliased_k_v, r"field 'v' layer 0 shares memory with field 'k' layer 1"),
+], ids=["same-tensor-twice", "overlapping-views", "k-and-v-share-storage"])
+def test_tensors_sharing_memory_are_refused_naming_both_layers(build, match: str) -> None:
+    """Two layers over one byte would each receive the other's pages: refused, by name."""
+    with pytest.raises(LayoutError, match=match + r".*give every layer its own memory"):
+        PerLayerArena(build(), entry_rows=P)
+
+
+def test_views_of_one_allocation_that_do_not_overlap_are_accepted() -> None:
+    whole = torch.zeros(4, 2 * P, H, D, dtype=torch.bfloat16)
+    arena = PerLayerArena({"k": [whole[0], whole[1]], "v": [whole[2], whole[3]]}, entry_rows=P)
+    assert arena.entries == 2
+
+
+def test_rows_past_the_last_whole_entry_are_refused() -> None:
+    with pytest.raises(LayoutError, match=(
+            r"field 'k' holds 40 rows, not a multiple of entry_rows=16 \(8 rows left over\); "
+            r"pass whole entries, e.g. t\[:32\]")):
+        PerLayerArena({"k": [torch.zeros(40, 2)]}, entry_rows=16)

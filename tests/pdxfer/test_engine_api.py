@@ -226,3 +226,17 @@ def test_readiness_is_captured_at_send_and_reaches_every_write(monkeypatch) -> N
         assert decode.wait("q", 10) is KVPoll.Success
     assert captured == [threading.main_thread()]
     assert written and all(r == ("event", "R") for r in written)
+
+
+def test_a_refused_send_leaves_no_record(pair) -> None:
+    """#25 item 5: refused means nothing happened — no record polling Bootstrapping, then Failed."""
+    prefill, decode, src, _ = pair
+    n = src["kv"].entries
+    with pytest.raises(pdxfer.LayoutError, match=f"pool 'kv' source index {n} at position 1"):
+        prefill.send("r", {"kv": [1, n]})
+    with pytest.raises(pdxfer.UnknownRequestError):
+        prefill.poll("r")
+    decode.expect("r", prefill.bootstrap_address, {"kv": [1, 2]})
+    prefill.send("r", {"kv": [3, 4]})
+    assert decode.wait("r", 10) is KVPoll.Success
+    assert prefill.wait("r", 10) is KVPoll.Success

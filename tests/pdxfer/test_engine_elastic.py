@@ -167,7 +167,7 @@ def test_a_transfer_into_an_entry_no_longer_live_is_refused_on_both_sides(elasti
     prefill.resize(src, 26, used=[])
     with pytest.raises(LayoutError, match=r"source index 25 at position 0 is outside the live entries 26..31"):
         prefill.send("dead", {"kv": [2], "state": [25]})
-    prefill.abort("dead")
+    assert prefill.try_poll("dead") is None  # refused: nothing recorded, nothing to abort (#25)
     before = dst.buf.clone()
     session = next(iter(decode._sessions.values()))  # a decode that skips its own check
     decode._progress.call(session.link.send, Expect("ghost", 999, {"kv": pack_indices(np.array([2])),

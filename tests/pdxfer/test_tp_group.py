@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pdxfer_testkit import config
+from pdxfer_testkit import config, until
 
 from pdxfer import (
     ConfigError,
@@ -17,6 +17,7 @@ from pdxfer import (
     PrefillEngine,
     RequestError,
     RequestFailed,
+    TransferTimeout,
     group_address,
     layout,
     sub_request_id,
@@ -139,7 +140,11 @@ def test_a_failing_rank_fails_the_request_on_its_siblings_and_nothing_lands_late
         before = {p: a.buf.clone() for p, a in r.dst[0].items()}
         dst = {"kv": np.array([5, 6]), "state": np.array([2])}
         r.decode[0].expect("x", r.group, dst)
-        r.prefill[1].engine.close()  # rank 1 dies before sending anything
+        # Rank 1 dies after the handshake and before sending anything: a prefill that dies
+        # before the decode ever reached it is redialled instead (test_first_contact.py).
+        until(lambda: r.decode[0].engine.poll(sub_request_id("x", 1, 0)) is KVPoll.WaitingForInput,
+              "the decode reached rank 1")
+        r.prefill[1].engine.close()
         with pytest.raises(RequestFailed, match=r"x#tp1>0"):
             r.decode[0].wait("x", WAIT)
         assert r.decode[0].engine.poll(sub_request_id("x", 0, 0)) is KVPoll.Failed
@@ -218,3 +223,96 @@ def test_a_dead_decode_rank_fails_the_request_on_the_other_decode_rank(backend) 
         assert r.prefill[0].engine.poll(sub_request_id("w", 0, 1)) is KVPoll.Failed
     finally:
         r.close()
+
+
+def test_a_refused_expect_leaves_no_request_behind(backend) -> None:
+    """#25 item 3: after a refused `expect`, poll/wait say unknown, never a phantom Success."""
+    from pdxfer import LayoutError, UnknownRequestError
+    from pdxfer.requests import MAX_ID_BYTES
+
+    r = Ranks(backend, 2, 1)
+    g = r.decode[0]
+    long_id = "y" * (MAX_ID_BYTES - 3)  # fits; its sub-request ids ("...#tp0>0") do not
+    try:
+        for rid, indices, refusal, match in [
+            ("x", {"kv": [ENTRIES["kv"]]}, LayoutError, r"pool 'kv' destination index 32"),
+            (long_id, {"kv": [1]}, RequestError, "exceeds the 1024-byte limit"),
+            ("z", {}, RequestError, "non-empty mapping"),
+        ]:
+            with pytest.raises(refusal, match=match):
+                g.expect(rid, r.group, indices)
+            with pytest.raises(UnknownRequestError):
+                g.poll(rid)
+            with pytest.raises(UnknownRequestError):
+                g.wait(rid, 1.0)
+            for sub in (f"{rid}#tp{p}>0" for p in range(2)):  # no sub-request exists
+                assert len(sub) > MAX_ID_BYTES or g.engine.try_poll(sub) is None
+        with pytest.raises(LayoutError, match=r"pool 'kv' source index 32"):
+            r.prefill[0].send("x", {"kv": [ENTRIES["kv"]]}, decode_tp=1)
+        with pytest.raises(UnknownRequestError):
+            r.prefill[0].poll("x")
+        # The id is free on both sides: the same request, asked properly, goes through.
+        g.expect("x", r.group, {"kv": np.array([5]), "state": np.array([2])})
+        for p in r.prefill:
+            p.send("x", {"kv": np.array([1]), "state": np.array([0])}, decode_tp=1)
+        assert g.wait("x", WAIT) is KVPoll.Success
+    finally:
+        r.close()
+
+
+def test_a_sub_request_refused_by_its_engine_takes_its_siblings_with_it(backend) -> None:
+    """A refusal only the engine can see (a duplicate id): the expected sibling is aborted."""
+    from pdxfer import UnknownRequestError
+
+    r = Ranks(backend, 2, 1)
+    g = r.decode[0]
+    try:
+        g.engine.expect(sub_request_id("d", 1, 0), r.prefill[1].engine.bootstrap_address, {"kv": [1]})
+        with pytest.raises(RequestError, match="duplicate request id"):
+            g.expect("d", r.group, {"kv": [3]})
+        with pytest.raises(UnknownRequestError):
+            g.poll("d")
+        with pytest.raises(RequestFailed, match="a sibling expect was refused"):
+            g.engine.wait(sub_request_id("d", 0, 0), WAIT)
+    finally:
+        r.close()
+
+
+class _Subs:
+    """An engine stand-in whose sub-requests sit in whatever state a test sets."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, KVPoll] = {}
+
+    def check_prefill(self, addr: str) -> str:
+        return addr
+
+    def expect(self, sub: str, addr: str, indices) -> None:
+        self.states[sub] = KVPoll.WaitingForInput
+
+    def poll(self, sub: str) -> KVPoll:
+        return self.states[sub]
+
+    def abort(self, sub: str, reason: str) -> None:
+        if not self.states[sub].finished and self.states[sub] is not KVPoll.Quarantined:
+            self.states[sub] = KVPoll.Failed
+
+    def failure_reason(self, sub: str) -> str | None:
+        return "quarantined" if self.states[sub] in (KVPoll.Failed, KVPoll.Quarantined) else None
+
+    def wait(self, sub: str, timeout: float) -> KVPoll:
+        raise TransferTimeout("still running")
+
+
+def test_the_group_is_never_success_while_a_sub_request_is_quarantined() -> None:
+    """Quarantined (5) sorts above Success (4): the least state must not be read as the group's."""
+    engine = _Subs()
+    g = HeteroTPDecode(engine, _pools(1, 0, None))
+    g.expect("q", ["127.0.0.1:1", "127.0.0.1:2"], {"kv": [1]})
+    a, b = g.sub_requests("q")
+    engine.states[a], engine.states[b] = KVPoll.Success, KVPoll.Quarantined
+    assert g.poll("q") is KVPoll.Quarantined
+    with pytest.raises(TransferTimeout):
+        g.wait("q", 0.2)
+    engine.states[b] = KVPoll.Failed  # the quarantine ended
+    assert g.poll("q") is KVPoll.Failed
