@@ -178,7 +178,7 @@ class EngineBase(TransportEngine):
         self.engine_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
         self.connect_timeout = check_seconds(self.name, "connect_timeout", connect_timeout)
         self.regions = RegionTable(self.name, self.engine_id, cuda=self.capabilities.cuda_memory)
-        self.inbound = InboundTable(self.name, self._notify)
+        self.inbound = InboundTable(self.name, self._notify, self_settles=self.cut_settles)
         self.outbound = Outbound()
         self.readiness = Readiness(self.engine_id)
         self.dials = Dials()
@@ -191,7 +191,21 @@ class EngineBase(TransportEngine):
     def link_context(self, backend: str | None = None) -> LinkContext:
         """The narrow view of this engine a link gets (`backend`: the descriptors' backend name)."""
         return LinkContext(backend or self.name, self.engine_id, self.regions, self.readiness,
-                           self.connect_timeout, self.outbound.forget)
+                           self.connect_timeout, self.outbound.forget, not self.cut_settles)
+
+    @property
+    def cut_settles(self) -> bool:
+        """Whether stopping a link's data path on our side proves none of its bytes lands later.
+
+        True where this engine could fence (`capabilities.fence`, or a backend
+        whose fence a `fence=False` option only switched off: its own reading
+        or copying still lands every byte). False where a peer writes into our
+        memory with nothing here able to stop it (nixl-all, verbs
+        `fence="qp"`, ucx-all): such a link settles only on its sender's word
+        (`Bye(quiet=True)`) or death, and our own links of that kind drain
+        before they say goodbye (`LinkContext.drains`).
+        """
+        return self.capabilities.fence or type(self).FENCE_OPTION
 
     # -- memory ------------------------------------------------------------------
     def register(self, tensor: torch.Tensor) -> LocalRegion:
@@ -271,6 +285,9 @@ class EngineBase(TransportEngine):
 
     def has_peer(self, engine_id: str) -> bool:
         return self.inbound.has_peer(engine_id)
+
+    def settled(self, engine_id: str, incarnation: str | None = None) -> bool:
+        return self.inbound.settled(engine_id, incarnation)
 
     # -- listening -----------------------------------------------------------------
     def listen(self, host: str, port: int, max_pending: int) -> None:

@@ -22,18 +22,36 @@ every backend must keep and, before the kit, each kept in its own copy:
 (so `close()` reaches them), the `has_peer` answer, `drop_peer`'s fence of
 every link of one sender, and the threads to join at close.
 
-Seam for #25.1 (proving, on a link that cannot fence, that no byte of it can
-still arrive): a link's `settled` event is set once its data path has ended
-— fenced, or ended by the peer in a way that leaves nothing in flight
-(tcp: every stream of the incarnation read EOF; nixl: the sender's `Bye`
-after its last ack, then the agent destroyed; verbs: the QPs flushed and
-destroyed; loopback: the link severed). `incarnations(sender)` answers, per
-incarnation, whether every link of it has settled: where a no-fence
-quarantine can be ended on proof rather than on the sender's word.
+**Settled** (#25.1): whether no byte of a link can still arrive, which a
+receiver that cannot fence asks before it hands memory back
+(`InboundTable.settled`, the engine's `settled`). A link settles once its
+data path has ended *and* that ending is a proof:
+
+* where our own progress lands every byte (tcp's stream read, loopback's
+  copies, nixl and ucx over tcp) or a revoke stops the writer's DMA (verbs
+  `fence="mr"`), our own stop is the proof (`self_settles`): a fence, or
+  the end the sender caused (tcp's EOF after the last buffered byte);
+* where the sender writes into our memory and nothing here can stop it
+  (nixl's cma/rc, verbs `fence="qp"`, ucx `tls="all"`: `self_settles`
+  False), only the sender can say it: its `Bye(quiet=True)`, sent once every
+  operation it posted on the link completed or was flushed (`quiet_said`),
+  or its side of the control connection ending without any `Bye`
+  (`peer_gone`: our senders never hang up without one while alive — the
+  process died). A link of that kind that ends otherwise (we cut it, or
+  the sender could not drain) stays *unproven*: `settled` says False for
+  its sender and incarnation for as long as the engine lives (bounded:
+  `MAX_UNPROVEN` records; docs/reliability.md says what is left).
+
+An incarnation is what the receiver calls one link: tcp's link id (every
+stream of it), `sender#serial` for the control backends (the sender learns
+it from the `Welcome`), loopback's link. A link carries bytes only after its
+handshake named it here, so an incarnation this table never saw, or saw
+settle and forgot, has nothing left to land.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -43,6 +61,11 @@ from .errors import PeerLostError
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT = 2.0
+# Links that ended without proof that nothing of them can still land, remembered so
+# `settled` keeps saying False for them. Each one's requests stay quarantined at the
+# caller; past this many (a broken or hostile sender minting links), the oldest is dropped
+# with an error logged — the data plane trusts its network (docs/reliability.md).
+MAX_UNPROVEN = 1024
 
 
 class InboundLink:
@@ -63,6 +86,10 @@ class InboundLink:
         self.dead = False  # fenced or ended: nothing of it lands, no notify of it starts
         self.settled = threading.Event()  # its data path has ended: nothing of it can arrive
         self.thread: threading.Thread | None = None
+        # Whether our own stop of the data path proves nothing of it arrives (module docstring).
+        self.self_settles = table.self_settles
+        self.quiet_said = False  # the sender said every operation it posted here has ended
+        self.peer_gone = False  # the sender's side ended the link without a word: it died
 
     # -- identity -------------------------------------------------------------
     def identify(self, sender: str, incarnation: str) -> None:
@@ -92,16 +119,22 @@ class InboundLink:
         self.cut()
         with self.guard:  # waits out a landing or a notify in progress (re-entrant)
             pass
-        self.settled.set()
-        self.table.forget(self)
+        self._settle()
 
     def ended(self) -> None:
         """The link's data path ended on its own (EOF, Bye): forget it, as a fence would."""
         self.dead = True
         with self.guard:
             pass
-        self.settled.set()
-        self.table.forget(self)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Nothing of this link lands through our side now: settled if that is a proof, else unproven."""
+        if self.self_settles or self.quiet_said or self.peer_gone:
+            self.settled.set()
+            self.table.forget(self)
+        else:
+            self.table.unproven(self)
 
     def cut(self) -> None:
         """Stop the data path; return once no byte of this link can land (backends)."""
@@ -131,15 +164,20 @@ class InboundTable:
     """One engine's inbound links: admission, `has_peer`, the fence by sender, close and joins.
 
     `notify(sender, payload)` is the engine's delivery to its handler (it
-    swallows the handler's exceptions).
+    swallows the handler's exceptions); `self_settles` is its links' default
+    (`EngineBase.cut_settles`).
     """
 
-    def __init__(self, name: str, notify: Callable[[str, bytes], None]) -> None:
+    def __init__(self, name: str, notify: Callable[[str, bytes], None], *,
+                 self_settles: bool = True) -> None:
         self.name = name
         self.notify = notify
+        self.self_settles = self_settles  # each link's default (`InboundLink.self_settles`)
         self._lock = threading.Lock()
         self._links: set[InboundLink] = set()
         self._threads: set[InboundLink] = set()  # links whose thread may still run
+        # (sender, incarnation) of links that ended without proof, oldest first
+        self._unproven: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._closed = False
 
     @property
@@ -188,18 +226,38 @@ class InboundTable:
         """Whether a link from `sender` is still open (its bytes may still land)."""
         return bool(self.of(sender))
 
-    def incarnations(self, sender: str) -> dict[str, bool]:
-        """Per link incarnation of `sender` we still track: whether every link of it has settled.
+    def unproven(self, link: InboundLink) -> None:
+        """`link` ended without proof that nothing of it can land: forget it, remember its name."""
+        dropped = None
+        with self._lock:
+            self._links.discard(link)
+            if link.sender is None or link.incarnation is None:
+                return  # never through its handshake: it carried no byte
+            self._unproven[(link.sender, link.incarnation)] = None
+            if len(self._unproven) > MAX_UNPROVEN:
+                dropped, _ = self._unproven.popitem(last=False)
+            if self._closed:
+                return  # the engine is going: nobody asks any more
+        log.warning("%s: link %s of %s ended without proof that none of its bytes can still land; "
+                    "settled() says False for it", self.name, link.incarnation, link.sender)
+        if dropped is not None:
+            log.error("%s: more than %d links ended unproven; forgetting %s of %s — settled() "
+                      "now says True for it", self.name, MAX_UNPROVEN, dropped[1], dropped[0])
 
-        An incarnation no longer listed has ended entirely (every link of it
-        settled and was forgotten).
+    def settled(self, sender: str, incarnation: str | None = None) -> bool:
+        """Whether no byte of `sender`'s link `incarnation` (None: of any link) can still arrive.
+
+        False while such a link is open, still settling, or ended unproven.
+        An incarnation never seen here, or seen to settle, has nothing left.
         """
-        out: dict[str, bool] = {}
         with self._lock:
             for link in self._links:
-                if link.sender == sender and link.incarnation is not None:
-                    out[link.incarnation] = out.get(link.incarnation, True) and link.settled.is_set()
-        return out
+                if (link.sender == sender and (incarnation is None or link.incarnation == incarnation)
+                        and not link.settled.is_set()):
+                    return False
+            if incarnation is not None:
+                return (sender, incarnation) not in self._unproven
+            return not any(s == sender for s, _ in self._unproven)
 
     def fence(self, sender: str) -> None:
         """Fence every link of `sender` (drop_peer)."""

@@ -88,7 +88,7 @@ class InboundPeer(ControlInbound):
             if self.dead:
                 raise PeerLostError("link fenced")
             metadata = self.agent.get_agent_metadata()
-        return Welcome(self._engine_id, self.agent_name, metadata, region_rows(regions))
+        return Welcome(self._engine_id, self.agent_name, metadata, region_rows(regions), self.incarnation)
 
     def regions_reply(self, query: int) -> Regions:
         regions = self._live()

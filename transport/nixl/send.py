@@ -88,6 +88,10 @@ class NixlLink(ControlledLink):
         self.agent = self._initiator.load_metadata(msg.metadata, self.agent)
         self.peer_regions = _table(msg.regions)
 
+    def drain(self, deadline: float) -> bool:
+        """Every write of this dead link ended on its own (the progress thread polls them): True."""
+        return self._requests.drained(self, deadline, self._kick)
+
     def hang_up_path(self) -> None:
         """Cancel this link's requests and forget the peer's agent."""
         with self._initiator.lock:
