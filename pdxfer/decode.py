@@ -410,6 +410,11 @@ class DecodeEngine(Engine):
                                       and r.session is session]
             session.waiting.clear()
             fence = [r for r in reqs if self._apply(r, r.life.on_link_lost(reason, error))]
+            orphaned = any(r.life.phase is DPhase.ORPHANED for r in reqs)
+        if orphaned and session.engine is not None:
+            # Until its links settle: a prefill that has not noticed the loss could reconnect
+            # and post a chunk of an orphan it still had queued, after settled() said True.
+            self._transport.refuse_new_links(session.engine)
         self._fence(session, fence)
 
     # -- timers (progress thread) ----------------------------------------------------

@@ -213,6 +213,18 @@ class TransportEngine(abc.ABC):
         del engine_id, incarnation
         return False
 
+    def refuse_new_links(self, engine_id: str) -> None:
+        """Refuse new inbound links from `engine_id` until every link it has now has settled.
+
+        Lifted by itself once `settled(engine_id)` holds. What a receiver that
+        cannot fence does when it lost its control channel to that peer while
+        a request the peer may still write is quarantined: a peer that has not
+        noticed yet could otherwise open a fresh link after the old ones ended
+        — after `settled` said True — and post a transfer it still had queued.
+        The default refuses nothing (a backend off the kit; the window stays).
+        """
+        del engine_id
+
     @abc.abstractmethod
     def close(self) -> None:
         """Fail in-flight work, stop and join its threads (bounded), deregister everything.

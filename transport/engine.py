@@ -289,6 +289,9 @@ class EngineBase(TransportEngine):
     def settled(self, engine_id: str, incarnation: str | None = None) -> bool:
         return self.inbound.settled(engine_id, incarnation)
 
+    def refuse_new_links(self, engine_id: str) -> None:
+        self.inbound.seal(engine_id)
+
     # -- listening -----------------------------------------------------------------
     def listen(self, host: str, port: int, max_pending: int) -> None:
         """Open the hardened control listener (`accept` gets each connection)."""

@@ -93,9 +93,11 @@ class InboundLink:
 
     # -- identity -------------------------------------------------------------
     def identify(self, sender: str, incarnation: str) -> None:
-        """The handshake named the sender; `PeerLostError` if the engine is closing."""
-        self.sender, self.incarnation = sender, incarnation
-        self.table.admit(self)
+        """The handshake named the sender; `PeerLostError` if the engine is closing or refuses it.
+
+        Refused, the link stays nameless: it never carried a byte.
+        """
+        self.table.admit(self, sender, incarnation)
 
     # -- notify delivery ------------------------------------------------------
     def deliver(self, payloads: Iterable[bytes | None]) -> bool:
@@ -178,6 +180,7 @@ class InboundTable:
         self._threads: set[InboundLink] = set()  # links whose thread may still run
         # (sender, incarnation) of links that ended without proof, oldest first
         self._unproven: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._sealed: set[str] = set()  # senders whose new links wait for their old ones (`seal`)
         self._closed = False
 
     @property
@@ -192,12 +195,32 @@ class InboundTable:
             self._links.add(link)
         return True
 
-    def admit(self, link: InboundLink) -> None:
-        """A link finished its handshake; `PeerLostError` if the engine is closing."""
+    def admit(self, link: InboundLink, sender: str, incarnation: str) -> None:
+        """A link finished its handshake: name it; `PeerLostError` if closing or `sender` is sealed."""
         with self._lock:
             if self._closed:
                 raise PeerLostError(f"{self.name} engine is closing")
+            if sender in self._sealed:
+                if not self._settled(sender, None):  # (this link is not named yet)
+                    raise PeerLostError(
+                        f"{self.name}: a new link from {sender} is refused until every earlier "
+                        "link of it is proven quiet (a request it may still write is quarantined)")
+                self._sealed.discard(sender)  # its old links settled: the seal has done its work
+            link.sender, link.incarnation = sender, incarnation
             self._links.add(link)
+
+    def seal(self, sender: str) -> None:
+        """Refuse new links from `sender` until every link it has now settled (then lifted by itself).
+
+        For a receiver that lost the control channel to `sender` while a
+        request of it may still be written: without the seal, a sender that
+        has not noticed yet could open a fresh link after the old ones ended
+        and post a transfer it still had queued — after `settled(sender)`
+        said True. A link being admitted as the seal comes is counted, not
+        refused.
+        """
+        with self._lock:
+            self._sealed.add(sender)
 
     def started(self, link: InboundLink) -> bool:
         """Record that `link` runs a thread; False (do not start it) if closing."""
@@ -251,13 +274,16 @@ class InboundTable:
         An incarnation never seen here, or seen to settle, has nothing left.
         """
         with self._lock:
-            for link in self._links:
-                if (link.sender == sender and (incarnation is None or link.incarnation == incarnation)
-                        and not link.settled.is_set()):
-                    return False
-            if incarnation is not None:
-                return (sender, incarnation) not in self._unproven
-            return not any(s == sender for s, _ in self._unproven)
+            return self._settled(sender, incarnation)
+
+    def _settled(self, sender: str, incarnation: str | None) -> bool:
+        for link in self._links:
+            if (link.sender == sender and not link.settled.is_set()
+                    and (incarnation is None or link.incarnation == incarnation)):
+                return False
+        if incarnation is not None:
+            return (sender, incarnation) not in self._unproven
+        return not any(s == sender for s, _ in self._unproven)
 
     def fence(self, sender: str) -> None:
         """Fence every link of `sender` (drop_peer)."""

@@ -15,7 +15,8 @@ has ended *with proof*: on every backend whose own stop of a link proves
 nothing more lands (`cut_settles`), the end itself; where the sender writes
 into our memory unstoppably (nixl-all, verbs `fence="qp"`, ucx-all), only
 the sender's `Bye(quiet=True)` after its drain — withheld here, the link
-stays unsettled after it ended.
+stays unsettled after it ended. `refuse_new_links` holds a sender's new
+links off until its old ones settled, then lifts by itself.
 """
 
 
@@ -26,7 +27,7 @@ import threading
 import numpy as np
 import pytest
 
-from ..errors import CapabilityError, PeerLostError
+from ..errors import CapabilityError, PeerLostError, TransportError
 from .rig import SRC_BYTES, WAIT, Backend, Rig, StepGate, drop_while_gated, good_table, need, until
 from .tables import assert_landed
 
@@ -145,3 +146,18 @@ def test_settled_once_a_closed_link_ended_here_and_only_on_proof(backend: Backen
         else:
             assert not rx.settled(sender, link) and not rx.settled(sender), (
                 "a link the sender could not drain read as settled: its writes may still land")
+
+
+def test_refuse_new_links_holds_a_sender_off_until_its_old_links_settled(backend: Backend) -> None:
+    with Rig(backend) as rig:
+        rx, sender = rig.rx, rig.tx.engine_id
+        rig.conn.write(rig.src_region, rig.remote, good_table()).wait(WAIT)
+        rx.refuse_new_links(sender)
+        with pytest.raises(TransportError):
+            rig.tx.open_link(rx.address()).close()  # a second link while the first is open
+        assert rx.has_peer(sender), "the refusal touched the link that was already there"
+        rig.conn.write(rig.src_region, rig.remote, good_table()).wait(WAIT)
+        rig.conn.close()
+        assert until(lambda: rx.settled(sender)), "the closed link never settled"
+        conn = rig.tx.connect(rx.address())  # its old links settled: the refusal lifted itself
+        conn.write(rig.src_region, rig.remote, good_table()).wait(WAIT)
