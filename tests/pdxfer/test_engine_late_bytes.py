@@ -23,9 +23,10 @@ write:
   then and the buffered bytes land after it.
 * verbs-sim `fence="qp"`: the software NIC is held inside the first packet
   of the request (its `on_packet` hook, before the copy), let go once the
-  decode has handled the word — or once the prefill's link started draining
-  (the fix: it says `Bye(quiet)` only after its WRs are flushed, which needs
-  the NIC).
+  decode has handled the word — or once the prefill posts on the link's QP
+  after moving it to ERR (the fix: it flushes behind a marker WR and says
+  `Bye(quiet)` only once that completed, which needs the NIC; a drain that
+  did not wait for it would let the word through first).
 * loopback, nixl-all (cma), ucx-all: nothing is held. Bytes are moving when
   the abort comes (the test waits until some landed; the last chunk is never
   sent, so the request cannot succeed first). On these the prefill's close
@@ -133,6 +134,7 @@ class StreamHold:
         for stream in self.streams:
             stream.guard.acquire()
         self.held = True
+        self.flushing = threading.Event()  # never set: a tcp sender has nothing to drain
 
     def in_flight(self) -> None:
         until(lambda: sum(_queued(s.sock) for s in self.streams) >= QUEUED,
@@ -146,14 +148,28 @@ class StreamHold:
 
 
 class PacketHold:
-    """verbs-sim: the NIC held inside the first packet the prefill's link sends once armed."""
+    """verbs-sim: the NIC held inside the first packet the prefill's link sends once armed.
 
-    def __init__(self, qpns: list[int]) -> None:
+    `flushing` is set when the prefill posts on one of the link's QPs after it
+    went to ERR: a sender draining its link waits for the NIC to flush behind
+    that WR, which it cannot while the packet is held (the fix does that).
+    """
+
+    def __init__(self, qpns: list[int], monkeypatch) -> None:
         from pdxfer.transport.verbs import sim
+        from pdxfer.transport.verbs.sim import nic
 
         self.fabric, self.qpns = sim.fabric(), set(qpns)
-        self.entered, self.go = threading.Event(), threading.Event()
+        self.entered, self.go, self.flushing = threading.Event(), threading.Event(), threading.Event()
         self.fabric.on_packet = self._hook
+        real = self.fabric.post_send
+
+        def post_send(qp, wqes):
+            if qp.qpn in self.qpns and qp.state == nic.ERR:
+                self.flushing.set()
+            return real(qp, wqes)
+
+        monkeypatch.setattr(self.fabric, "post_send", post_send)
 
     def _hook(self, qpn: int, key: int) -> None:
         if qpn in self.qpns and not self.entered.is_set():
@@ -170,22 +186,6 @@ class PacketHold:
     def quiet(self) -> bool:
         with self.fabric.lock:
             return not any(self.fabric.inflight.values())
-
-
-class Drains:
-    """Sets `event` when a link of the prefill starts draining (the fix's `ControlledLink.drain`)."""
-
-    def __init__(self, link, monkeypatch) -> None:
-        self.event = threading.Event()
-        cls = type(link)
-        real = getattr(cls, "drain", None)
-
-        def drain(this, deadline):
-            self.event.set()
-            return real(this, deadline)
-
-        if real is not None:
-            monkeypatch.setattr(cls, "drain", drain)
 
 
 @pytest.fixture
@@ -221,8 +221,7 @@ def _run(late, monkeypatch, side: str) -> None:
     if param == "tcp":
         hold = StreamHold(decode, engine)
     elif param == "verbs-sim-qp":
-        hold = PacketHold(link.qpns)
-    drains = Drains(link, monkeypatch)
+        hold = PacketHold(link.qpns, monkeypatch)
     failed = AtFailed(decode, monkeypatch, "big", _buffer(dst))
     before = _buffer(dst).clone()
     old_links = {id(lk) for lk in decode._transport.inbound.links() if lk.sender == engine}
@@ -236,8 +235,8 @@ def _run(late, monkeypatch, side: str) -> None:
             until(lambda: not torch.equal(_buffer(dst), before), "some of the request landed")
         (decode if side == "decode" else prefill).abort("big", "the test aborts mid-transfer")
         if hold is not None:
-            until(lambda: word.event.is_set() or drains.event.is_set(),
-                  "the decode handled the prefill's word, or the prefill's link began draining")
+            until(lambda: word.event.is_set() or hold.flushing.is_set(),
+                  "the decode handled the prefill's word, or the prefill flushes its link's WRs")
             hold.release()
         with pytest.raises(RequestFailed, match="aborted"):
             decode.wait("big", WAIT)
