@@ -23,10 +23,11 @@ write:
   then and the buffered bytes land after it.
 * verbs-sim `fence="qp"`: the software NIC is held inside the first packet
   of the request (its `on_packet` hook, before the copy), let go once the
-  decode has handled the word — or once the prefill posts on the link's QP
+  decode has recorded Failed — or once the prefill posts on the link's QP
   after moving it to ERR (the fix: it flushes behind a marker WR and says
   `Bye(quiet)` only once that completed, which needs the NIC; a drain that
-  did not wait for it would let the word through first).
+  did not wait for it, or a decode that did not wait for the word's links,
+  reaches Failed with the packet still held).
 * loopback, nixl-all (cma), ucx-all: nothing is held. Bytes are moving when
   the abort comes (the test waits until some landed; the last chunk is never
   sent, so the request cannot succeed first). On these the prefill's close
@@ -134,7 +135,11 @@ class StreamHold:
         for stream in self.streams:
             stream.guard.acquire()
         self.held = True
-        self.flushing = threading.Event()  # never set: a tcp sender has nothing to drain
+
+    @staticmethod
+    def released_by(word: WordSeen, failed: AtFailed) -> bool:
+        """Once the decode handled the word: a correct decode cannot be Failed while we hold."""
+        return word.event.is_set()
 
     def in_flight(self) -> None:
         until(lambda: sum(_queued(s.sock) for s in self.streams) >= QUEUED,
@@ -178,6 +183,10 @@ class PacketHold:
 
     def in_flight(self) -> None:
         assert self.entered.wait(WAIT), "the request's first packet never reached the NIC"
+
+    def released_by(self, word: WordSeen, failed: AtFailed) -> bool:
+        """Once the decode recorded Failed (it must not have yet), or the prefill flushes its link."""
+        return failed.copy is not None or self.flushing.is_set()
 
     def release(self) -> None:
         self.fabric.on_packet = None
@@ -235,8 +244,7 @@ def _run(late, monkeypatch, side: str) -> None:
             until(lambda: not torch.equal(_buffer(dst), before), "some of the request landed")
         (decode if side == "decode" else prefill).abort("big", "the test aborts mid-transfer")
         if hold is not None:
-            until(lambda: word.event.is_set() or hold.flushing.is_set(),
-                  "the decode handled the prefill's word, or the prefill flushes its link's WRs")
+            until(lambda: hold.released_by(word, failed), "the moment to let the held bytes go")
             hold.release()
         with pytest.raises(RequestFailed, match="aborted"):
             decode.wait("big", WAIT)
