@@ -214,6 +214,8 @@ class ControlledLink(Link):
             self._farewell = threading.Thread(target=self._say_farewell, daemon=True,
                                               name=f"{self.ctx.backend}-bye {self.peer}")
             self._farewell.start()  # under the lock: `finish` never sees it unstarted
+        if self.ctx.farewell is not None:
+            self.ctx.farewell(self._farewell)  # the engine's close joins it
 
     def finish(self) -> None:
         """Close's second half: drain (if we must), say `Bye`, let the peer fence us (bounded), hang up."""

@@ -18,7 +18,8 @@
   and deregistration closing each region's children (`resources.Resource`).
 * **peers.** The outbound table (one live link per peer, never two when two
   threads connect at once, a dead one replaced), the inbound table
-  (`inbound.InboundTable`: `has_peer`, the fence by sender), the notify
+  (`inbound.InboundTable`: `has_peer`, `settled`, the seal and the fence
+  by sender), the notify
   handler (its exceptions logged, never killing a link).
 * **the fence refusal.** `drop_peer` raises `CapabilityError` whenever
   `capabilities.fence` is False — derived from the flag, so no backend can
@@ -111,6 +112,7 @@ class Outbound:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._links: dict[str, Link] = {}
+        self._goodbyes: set[threading.Thread] = set()  # dead links still draining (`farewell`)
         self._closed = False
 
     def live(self, peer: str) -> Link | None:
@@ -154,6 +156,16 @@ class Outbound:
             self._links.clear()
         for link in links:
             link.close()
+        with self._lock:
+            goodbyes, self._goodbyes = list(self._goodbyes), set()
+        for thread in goodbyes:  # each bounded by its drain and its Bye
+            thread.join(JOIN_TIMEOUT)
+
+    def farewell(self, thread: threading.Thread) -> None:
+        """A dead link's goodbye thread (`ControlledLink`): joined by `close`; finished ones dropped."""
+        with self._lock:
+            self._goodbyes = {t for t in self._goodbyes if t.is_alive()}
+            self._goodbyes.add(thread)
 
 
 class EngineBase(TransportEngine):
@@ -191,7 +203,8 @@ class EngineBase(TransportEngine):
     def link_context(self, backend: str | None = None) -> LinkContext:
         """The narrow view of this engine a link gets (`backend`: the descriptors' backend name)."""
         return LinkContext(backend or self.name, self.engine_id, self.regions, self.readiness,
-                           self.connect_timeout, self.outbound.forget, not self.cut_settles)
+                           self.connect_timeout, self.outbound.forget, not self.cut_settles,
+                           self.outbound.farewell)
 
     @property
     def cut_settles(self) -> bool:

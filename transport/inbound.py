@@ -19,7 +19,8 @@ every backend must keep and, before the kit, each kept in its own copy:
   landing in progress too.
 
 `InboundTable` is the engine's set of them: links still in their handshake
-(so `close()` reaches them), the `has_peer` answer, `drop_peer`'s fence of
+(so `close()` reaches them), the `has_peer` and `settled` answers, the seal
+(`seal`: a sender's new links refused until its old ones settled), `drop_peer`'s fence of
 every link of one sender, and the threads to join at close.
 
 **Settled** (#25.1): whether no byte of a link can still arrive, which a

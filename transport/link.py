@@ -67,7 +67,8 @@ class LinkContext:
     regions, `readiness` runs the post queues' waits, `connect_timeout` is the
     bound on every wait of the link, `forget(link)` drops a dead link from the
     engine's outbound table, `drains` says the link must drain before it hangs
-    up (`EngineBase.cut_settles`).
+    up (`EngineBase.cut_settles`), `farewell(thread)` hands the engine the
+    thread a failed link says its goodbye on, for `close()` to join.
     """
 
     backend: str
@@ -79,6 +80,7 @@ class LinkContext:
     # The peer cannot stop our writes into its memory (one-sided, no fence): a dying link waits
     # for its operations to end and says so (`control.ControlledLink.drain`, #25.1).
     drains: bool = False
+    farewell: Any = None  # Callable[[threading.Thread], None]: the engine joins a dying link's goodbye
 
 
 class Link(Connection):

@@ -19,6 +19,12 @@ reports the transfer broken (`post_refused`).
 A region registered by the peer after we connected is unknown here until a
 `Refresh` round trip, which a write naming it triggers once (the kit's
 `resolve`).
+
+Closing under `tls="all"` (the peer cannot fence our cma/rc/cuda_ipc writes,
+#25.1): the dead link first drains — the progress thread keeps polling its
+requests until each is DONE or ERR on its own (`Requests.drained`) — and
+only then says `Bye(quiet=True)`, the receiver's proof that none of them
+still writes; then its requests are released and the peer's agent forgotten.
 """
 
 from __future__ import annotations
