@@ -26,8 +26,11 @@ fenced that prefill (`Fence`); the prefill then hears `Fenced`, so it opens
 a fresh data connection instead of writing into the fenced one. Over a
 transport that cannot fence (`capabilities.fence` False) such a request is
 Quarantined instead (`Quarantine`), until the prefill's Abort/AbortAck says
-nothing of it flies, or — its link lost — the transport reports no open link
-from that prefill (`has_peer`, asked each tick). docs/reliability.md, #11.
+its transfers ended *and* the transport shows settled every data link the
+word names (`TransportEngine.settled`, asked each tick: the prefill's close
+of a link is not a fence here — bytes it sent before may still land, #25.1),
+or — its link lost — until the transport shows every link of that prefill
+settled. docs/reliability.md, #11 and "What ends a no-fence quarantine".
 """
 
 from __future__ import annotations
@@ -51,7 +54,17 @@ from .handshake import record_mismatch, welcome_mismatch, why_lost
 from .inbound import DecodeRequest, PrefillPeer, expect_message
 from .lifecycle import DecodeLife, DPhase, Fence, Finish, Quarantine, Send, Timing
 from .pools import layout_error
-from .protocol import Abort, AbortAck, Fenced, Ping, Refuse, Welcome, decode_notify
+from .protocol import (
+    Abort,
+    AbortAck,
+    Fenced,
+    Hello,
+    Ping,
+    Refuse,
+    Welcome,
+    check_links,
+    decode_notify,
+)
 from .requests import check_request_id
 from .session import Link, parse_address
 
@@ -273,13 +286,17 @@ class DecodeEngine(Dials, Engine):
             return
         if not isinstance(msg, (Abort, AbortAck)):
             return link.refuse(f"a decode does not accept {type(msg).TYPE!r} messages")
+        try:
+            links = check_links(msg.links, f"{type(msg).TYPE} of request {msg.request!r:.80}")
+        except ProtocolError as exc:
+            return link.refuse(str(exc))
         with self._lock:
             req = self._table.find(msg.request)
             if not isinstance(req, DecodeRequest) or req.life.xid != msg.xid or req.session is not session:
                 return
             life = req.life
-            fence = self._apply(req, life.on_abort_ack(msg.clean) if isinstance(msg, AbortAck)
-                                else life.on_peer_abort(msg.reason, msg.fence))
+            fence = self._apply(req, life.on_abort_ack(msg.clean, links) if isinstance(msg, AbortAck)
+                                else life.on_peer_abort(msg.reason, msg.fence, links))
         if fence:
             self._fence(session, [req])
 
@@ -419,6 +436,11 @@ class DecodeEngine(Dials, Engine):
                                       and r.session is session]
             session.waiting.clear()
             fence = [r for r in reqs if self._apply(r, r.life.on_link_lost(reason, error))]
+            orphaned = any(r.life.phase is DPhase.ORPHANED for r in reqs)
+        if orphaned and session.engine is not None:
+            # Until its links settle: a prefill that has not noticed the loss could reconnect
+            # and post a chunk of an orphan it still had queued, after settled() said True.
+            self._transport.refuse_new_links(session.engine)
         self._fence(session, fence)
 
     # -- timers (progress thread) ----------------------------------------------------
@@ -433,11 +455,19 @@ class DecodeEngine(Dials, Engine):
             aborting = any(r.life.phase is DPhase.ABORTING for r in self._table.running())
             orphans = [(r, r.session.engine) for r in self._table.running()
                        if r.life.phase is DPhase.ORPHANED and r.session is not None]
-        gone = [r for r, engine in orphans if engine is None or not self._transport.has_peer(engine)]
-        if gone:
+            settling = [(r, r.session.engine, r.life.links) for r in self._table.running()
+                        if r.life.phase is DPhase.QUARANTINED and r.life.links and r.session is not None]
+        # Asked of the transport, off the lock: nothing of these links can land any more (#25.1).
+        settled = self._transport.settled
+        gone = [r for r, engine in orphans if engine is None or settled(engine)]
+        quiet = [r for r, engine, links in settling
+                 if engine is not None and all(settled(engine, name or None) for name in links)]
+        if gone or quiet:
             with self._lock:
                 for req in gone:
                     self._apply(req, req.life.on_peer_gone())
+                for req in quiet:
+                    self._apply(req, req.life.on_quiet())
         for session in list(self._sessions.values()):
             link = session.link
             if link is None or link.closed or link.connecting:
@@ -450,7 +480,7 @@ class DecodeEngine(Dials, Engine):
         self._close_links(close)
         for session, reqs in fences.values():
             self._fence(session, reqs)
-        return 0.005 if aborting else min(0.1, cfg.heartbeat / 2, wake)
+        return 0.005 if aborting or settling else min(0.1, cfg.heartbeat / 2, wake)
 
     # -- close ----------------------------------------------------------------
     def _shutdown(self) -> None:

@@ -26,7 +26,7 @@ from pdxfer.transport.errors import TransportError
 from .errors import LayoutError, RequestError
 from .lifecycle import PrefillLife
 from .pools import PoolSet, Route
-from .protocol import landed_payload
+from .protocol import MAX_LINKS, landed_payload
 from .requests import Request
 from .session import Link
 
@@ -50,7 +50,7 @@ class Chunk:
 class PrefillRequest(Request):
     """A request as the prefill tracks it: the decode's destinations, cursors, posted handles."""
 
-    __slots__ = ("cursor", "dst", "handles", "next_chunk", "session", "sources")
+    __slots__ = ("cursor", "dst", "handles", "links", "next_chunk", "session", "sources")
 
     def __init__(self, request_id: str, life: PrefillLife) -> None:
         super().__init__(request_id, life)
@@ -60,6 +60,7 @@ class PrefillRequest(Request):
         self.next_chunk = 0
         self.handles: list[Any] = []
         self.sources: list[dict[str, np.ndarray]] = []  # every accepted chunk's, until finished
+        self.links: set[str] = set()  # incarnations of the data links its transfers were posted on
 
     def held(self, pool: str) -> list[np.ndarray]:
         """Our entries of `pool` this request's transfers may still read (`resizing.blocking`)."""
@@ -97,6 +98,21 @@ class DecodePeer:
     @property
     def ready(self) -> bool:
         return self.conn is not None and getattr(self.conn, "alive", True)
+
+
+def closed_links(req: PrefillRequest) -> list[str]:
+    """The data links `req` posted on that are no longer its peer's live one (`Abort.links`).
+
+    A transfer on the live link either completed (its bytes landed before the
+    ack) or failed before anything was sent (a refused write leaves the link
+    up); one on a link that was closed or died may have left bytes in flight
+    there, which the decode must see settle before it frees the entries. A
+    link the transport cannot name is "" (the decode then waits for all).
+    """
+    session = req.session
+    live = session.conn.incarnation if session is not None and session.ready else None
+    names = sorted(req.links - {live})
+    return names if len(names) <= MAX_LINKS else [""]
 
 
 def unfinished(handles: list[Any]) -> list[Any]:
@@ -183,6 +199,7 @@ def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], l
     number = req.next_chunk
     req.next_chunk += 1
     total = len(parts)
+    req.links.add(conn.incarnation or "")
     for i, (region, remote, table) in enumerate(parts):
         proof = getattr(table, "proof", None)  # a CheckedTable knows its bytes
         nbytes = proof[2] if proof is not None else int(np.add.reduce(table[:, 2]))

@@ -19,6 +19,7 @@ is not ready and chunks queue.
 
 from __future__ import annotations
 
+import dataclasses
 import selectors
 import socket
 import time
@@ -38,6 +39,7 @@ from .outbound import (
     DecodePeer,
     PrefillRequest,
     chunk_indices,
+    closed_links,
     plan_chunk,
     post_parts,
     transfer_error,
@@ -153,7 +155,11 @@ class PrefillEngine(DecodePeers, Engine):
                 if not req.life.local:
                     self._table.bury(req)  # pollable as Failed with its reason, bounded
             elif isinstance(eff, Send):
-                self._send(via or req.session, eff.msg)
+                msg = eff.msg
+                if isinstance(msg, (Abort, AbortAck)) and req.links:
+                    # the decode must see these settle before it frees the entries (#25.1)
+                    msg = dataclasses.replace(msg, links=closed_links(req))
+                self._send(via or req.session, msg)
             elif isinstance(eff, Cut):
                 self._cut(req.session, f"transfers to decode still running {self.config.grace} s "
                           "after the request failed; cut them", fenced=False)

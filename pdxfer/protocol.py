@@ -15,6 +15,9 @@ The conversation:
     decode  → prefill   Done       every part of every chunk through the last has landed
     either  → other     Abort      request failed/aborted here; `fence` = bytes may still fly
     prefill → decode    AbortAck   the prefill's transfers for it are finished (`clean`) or cut
+                                   (both from the prefill name its data `links` whose bytes of
+                                   the request may still land: the decode waits until its
+                                   transport shows them settled, version 4)
     decode  → prefill   Fenced     decode ran drop_peer on the prefill: its data connection is
                                    dead, reconnect before the next post (version 2)
     decode  → prefill   LiveRange  a pool boundary moved: the entries the decode's pools now
@@ -35,7 +38,7 @@ data transport, registered and one-sided; the control link only says which.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
@@ -44,7 +47,10 @@ import numpy as np
 from pdxfer.transport.errors import ProtocolError
 from pdxfer.transport.wire import LENGTH, Protocol
 
-VERSION = 3  # 2: Fenced; 3: LiveRange
+VERSION = 4  # 2: Fenced; 3: LiveRange; 4: Abort/AbortAck name their `links` (#25.1)
+# Data links an Abort/AbortAck may name: a prefill has one live data link per decode and
+# a few it has just cut; anything longer is refused as malformed.
+MAX_LINKS = 64
 # A Hello carries every pool's description and every region descriptor; 4 MiB
 # leaves room for hundreds of fields while refusing a garbage length outright.
 MAX_FRAME = 4 << 20
@@ -104,13 +110,21 @@ class Done:
 
 @dataclass(frozen=True)
 class Abort:
-    """The sender's side gave up on a request; `fence` says bytes may still be in flight."""
+    """The sender's side gave up on a request; `fence` says bytes may still be in flight.
+
+    `links` (from a prefill): its data links — `Connection.incarnation`s, as the
+    decode's transport knows them — that carried a transfer of this request
+    which did not complete and that are closed or closing: bytes of it may
+    still land through them until the decode's transport shows them settled.
+    Empty from a decode, and when every transfer completed (or none was posted).
+    """
 
     TYPE: ClassVar[str] = "abort"
     request: str
     xid: int
     reason: str
     fence: bool
+    links: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -118,13 +132,16 @@ class AbortAck:
     """Prefill's answer to decode's Abort: its transfers for the request are finished.
 
     `clean` is False when the prefill had to cut a stuck transfer instead; the
-    decode then fences the prefill before it hands the entries back.
+    decode then fences the prefill before it hands the entries back — or,
+    without a fence, waits until its transport shows every one of `links`
+    settled (nothing of them can land any more).
     """
 
     TYPE: ClassVar[str] = "abort_ack"
     request: str
     xid: int
     clean: bool
+    links: list = field(default_factory=list)  # as `Abort.links`
 
 
 @dataclass(frozen=True)
@@ -213,6 +230,15 @@ def unpack_indices(raw: Any, what: str) -> np.ndarray:
         size = len(raw) if isinstance(raw, bytes) else type(raw).__name__
         raise ProtocolError(f"{what}: indices must be int64 bytes (a multiple of 8), got {size}")
     return np.frombuffer(raw, dtype="<i8").astype(np.int64)
+
+
+def check_links(links: Any, what: str) -> list[str]:
+    """An Abort/AbortAck's `links` as a list of names, or `ProtocolError` naming `what`."""
+    if not isinstance(links, list) or len(links) > MAX_LINKS or not all(
+            isinstance(name, str) and len(name) <= 256 for name in links):
+        raise ProtocolError(f"{what}: links must be at most {MAX_LINKS} names of at most 256 "
+                            f"characters, got {links!r:.200}")
+    return links
 
 
 def landed_payload(request: str, xid: int, chunk: int, part: int, parts: int, last: bool,

@@ -124,6 +124,16 @@ class Connection(abc.ABC):
 
         raise CapabilityError(f"{type(self).__name__} does not support read; use write")
 
+    @property
+    def incarnation(self) -> str | None:
+        """The name the peer's engine knows this link by: ask it `settled(our engine id, this)`.
+
+        A new name per link: a connection replaced after a close or a failure
+        has another. None where the backend cannot name it (then only
+        `settled(engine_id)`, every link, can be asked).
+        """
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Fail whatever is in flight with `ClosedError` and release the link. Idempotent.
@@ -196,6 +206,35 @@ class TransportEngine(abc.ABC):
         backend outside the kit may report nothing.
         """
         return {}
+
+    def settled(self, engine_id: str, incarnation: str | None = None) -> bool:
+        """Whether no byte of engine `engine_id`'s link `incarnation` (None: any link) can still land.
+
+        What a receiver that cannot fence asks before it hands back memory a
+        failed transfer of that peer may still be writing: True once every
+        such link has ended *and* its ending proves nothing of it arrives —
+        our own reading stopped (tcp: EOF after the last buffered byte), or,
+        where the sender writes into our memory (one-sided paths with no
+        fence), the sender said every operation it posted there ended, or
+        died. `incarnation` is the sender's `Connection.incarnation`; one
+        never seen here has nothing left to land. The default says False —
+        a backend that cannot tell never lets a caller conclude. Per
+        backend: docs/reliability.md, "What ends a no-fence quarantine".
+        """
+        del engine_id, incarnation
+        return False
+
+    def refuse_new_links(self, engine_id: str) -> None:
+        """Refuse new inbound links from `engine_id` until every link it has now has settled.
+
+        Lifted by itself once `settled(engine_id)` holds. What a receiver that
+        cannot fence does when it lost its control channel to that peer while
+        a request the peer may still write is quarantined: a peer that has not
+        noticed yet could otherwise open a fresh link after the old ones ended
+        — after `settled` said True — and post a transfer it still had queued.
+        The default refuses nothing (a backend off the kit; the window stays).
+        """
+        del engine_id
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -18,11 +18,23 @@ Two kit classes carry it:
   anything else severs), and on close says `Bye` and waits (bounded) for the
   peer to fence it and hang up. A backend implements `table(msg)` (its
   region rows), `regions(msg)` (install a `Regions` answer), and
-  `hang_up_path()` (free the data path: QPs, a peer's agent).
+  `hang_up_path()` (free the data path: QPs, a peer's agent). Where the
+  sender writes into the peer's memory and the peer cannot stop it (an
+  engine whose `capabilities.fence` is False: `LinkContext.drains`), the
+  link first waits (bounded) until every operation it posted has ended —
+  the backend's `drain` — and says so in its `Bye(quiet=True)`: the only
+  proof such a receiver has that nothing of the link can still land
+  (#25.1). It says `Bye` before hanging up on every path it can, a failure
+  too (then from a short-lived thread, since the drain may need the thread
+  that failed it), so a control connection that ends without one means
+  the sender died.
 * `ControlInbound` (an `inbound.InboundLink`): serves one accepted control
   socket — the capped hello (`listener.read_hello`), the backend's `admit`
-  (build its side of the link, return the `Welcome`), then `Refresh` and
-  `Bye` until the link ends, when it fences itself. Sends (acks, `Gone`,
+  (build its side of the link, call `identify`, return the `Welcome`, which
+  names the link's incarnation), then `Refresh` and `Bye` until the link
+  ends, when it fences itself. What ended it decides whether it settles
+  (`inbound`): a `Bye(quiet=True)`, or the sender's side closing without
+  any `Bye`, is the proof a link that cannot settle by itself needs. Sends (acks, `Gone`,
   replies) that fail fence the link: a sender that stopped reading is gone.
   `hand_over(landed)` is the progress thread's one way to pass notes on:
   the kit's delivery rule, then one `Acks` frame. With `block=False` (a
@@ -100,9 +112,15 @@ class Gone:
 
 @dataclass(frozen=True)
 class Bye:
-    """The sender closes the link; the receiver fences it and hangs up."""
+    """The sender closes the link; the receiver fences it and hangs up.
+
+    `quiet`: every operation the sender posted on this link has ended (completed,
+    failed or flushed on its side): nothing of it can still write into the
+    receiver. False when the sender could not drain them within its bound.
+    """
 
     TYPE: ClassVar[str] = "bye"
+    quiet: bool
 
 
 def ints(data: bytes, width: int, what: str) -> np.ndarray:
@@ -132,6 +150,7 @@ class ControlledLink(Link):
         self._queries: dict[int, threading.Event] = {}
         self._hung_up = False
         self._reader: threading.Thread | None = None
+        self._farewell: threading.Thread | None = None  # drain + Bye after a failure (ctx.drains)
         self.send_lock = threading.Lock()  # one frame at a time: callers' refreshes, Bye, a backend's own
         self.peer_regions: dict[int, Any] = {}
         self.sock, self.welcome = dial(dials, host, port, self.WIRE.CONTROL, hello,
@@ -139,6 +158,7 @@ class ControlledLink(Link):
         if not isinstance(self.welcome, self.WIRE.Welcome):
             self.sock.close()
             raise ProtocolError(f"expected welcome from {self.what}, got {type(self.welcome).TYPE}")
+        self.incarnation = self.welcome.link  # the receiver's name for this link
 
     def start_reader(self) -> None:
         """Start the control reader (once the backend finished setting the link up)."""
@@ -158,6 +178,16 @@ class ControlledLink(Link):
         """A frame of the backend's own (ucx's `Posted`); False if it is not one. Raises to sever."""
         return False
 
+    def drain(self, deadline: float) -> bool:
+        """After the link died: wait (until `deadline`, monotonic) until no operation it posted can
+        still write into the peer; True if none can. Called only when `ctx.drains`.
+
+        Never on a thread the drain needs (the kit calls it from close's caller or
+        its own farewell thread). Default: nothing to wait for.
+        """
+        del deadline
+        return True
+
     # -- the kit's hooks --------------------------------------------------------------
     def resolve(self, region_id: int) -> Remote | None:
         found = self.peer_regions.get(region_id)
@@ -171,22 +201,59 @@ class ControlledLink(Link):
             queries = list(self._queries.values())
         for done in queries:
             done.set()
-        if not isinstance(error, ClosedError):
+        if isinstance(error, ClosedError):
+            return  # close() goes on with `finish`
+        if not self.ctx.drains:
             self._hang_up()
+            return
+        # The peer cannot stop our writes: drain them and say so before hanging up. Not on this
+        # thread, which may be the one the drain needs (a progress thread that saw the error).
+        with self.lock:
+            if self._farewell is not None or self._hung_up:
+                return
+            self._farewell = threading.Thread(target=self._say_farewell, daemon=True,
+                                              name=f"{self.ctx.backend}-bye {self.peer}")
+            self._farewell.start()  # under the lock: `finish` never sees it unstarted
+        if self.ctx.farewell is not None:
+            self.ctx.farewell(self._farewell)  # the engine's close joins it
 
     def finish(self) -> None:
-        """Close's second half: say `Bye`, let the peer fence us (bounded), then hang up."""
+        """Close's second half: drain (if we must), say `Bye`, let the peer fence us (bounded), hang up."""
+        farewell = self._farewell
+        if farewell is not None:  # a failure already started the goodbye: let it end (bounded)
+            if farewell is not threading.current_thread():
+                farewell.join(self.ctx.connect_timeout + BYE_WAIT)
+            return
         if self._hung_up:
             return
-        try:  # the peer fences us on Bye and hangs up; its hang-up ends our reader
-            with self.send_lock:
-                self.WIRE.CONTROL.send(self.sock, Bye())
-        except (TransportError, OSError):
-            pass
+        self._bye()
         reader = self._reader
         if reader is not None and reader is not threading.current_thread():
-            reader.join(BYE_WAIT)
+            reader.join(BYE_WAIT)  # the peer fences us on Bye and hangs up; that ends our reader
         self._hang_up()
+
+    def _say_farewell(self) -> None:
+        self._bye()
+        self._hang_up()
+
+    def _bye(self) -> None:
+        """Say `Bye`, quiet if nothing we posted can still write into the peer (drained when we must)."""
+        quiet = True
+        if self.ctx.drains:
+            try:
+                quiet = self.drain(time.monotonic() + self.ctx.connect_timeout)
+            except Exception:  # a backend failure while draining: say what we know, never hang
+                log.exception("%s: draining the link to %s failed", self.ctx.backend, self.peer)
+                quiet = False
+            if not quiet:
+                log.warning("%s: operations posted to %s were still running %s s after the link "
+                            "died; its receiver cannot count on them having stopped", self.ctx.backend,
+                            self.peer, self.ctx.connect_timeout)
+        try:
+            with self.send_lock:
+                self.WIRE.CONTROL.send(self.sock, Bye(quiet))
+        except (TransportError, OSError):
+            pass
 
     # -- the control conversation --------------------------------------------------------
     def _refresh(self) -> None:
@@ -306,10 +373,14 @@ class ControlInbound(InboundLink):
                 if isinstance(msg, Refresh):
                     self._send(self.regions_reply(msg.query))
                 elif isinstance(msg, Bye):
+                    self.quiet_said = msg.quiet  # the sender's word that nothing of it still writes
                     break
                 elif not self.on_frame(msg):
                     raise ProtocolError(f"unexpected {type(msg).TYPE} from sender {self.sender}")
         except (TransportError, OSError) as exc:
+            if isinstance(exc, PeerLostError) and not self.dead and self.sender is not None:
+                # Its side closed without a Bye, which our senders never do while alive: it died.
+                self.peer_gone = True
             if not self.dead and not isinstance(exc, PeerLostError):
                 log.warning("%s link from %s (%s) dropped: %s", self.table.name, self.sender,
                             self.where, exc)

@@ -18,7 +18,8 @@
   and deregistration closing each region's children (`resources.Resource`).
 * **peers.** The outbound table (one live link per peer, never two when two
   threads connect at once, a dead one replaced), the inbound table
-  (`inbound.InboundTable`: `has_peer`, the fence by sender), the notify
+  (`inbound.InboundTable`: `has_peer`, `settled`, the seal and the fence
+  by sender), the notify
   handler (its exceptions logged, never killing a link).
 * **the fence refusal.** `drop_peer` raises `CapabilityError` whenever
   `capabilities.fence` is False — derived from the flag, so no backend can
@@ -115,6 +116,7 @@ class Outbound:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._links: dict[str, Link] = {}
+        self._goodbyes: set[threading.Thread] = set()  # dead links still draining (`farewell`)
         self._closed = False
 
     def live(self, peer: str) -> Link | None:
@@ -158,6 +160,16 @@ class Outbound:
             self._links.clear()
         for link in links:
             link.close()
+        with self._lock:
+            goodbyes, self._goodbyes = list(self._goodbyes), set()
+        for thread in goodbyes:  # each bounded by its drain and its Bye
+            thread.join(JOIN_TIMEOUT)
+
+    def farewell(self, thread: threading.Thread) -> None:
+        """A dead link's goodbye thread (`ControlledLink`): joined by `close`; finished ones dropped."""
+        with self._lock:
+            self._goodbyes = {t for t in self._goodbyes if t.is_alive()}
+            self._goodbyes.add(thread)
 
 
 class EngineBase(TransportEngine):
@@ -182,7 +194,7 @@ class EngineBase(TransportEngine):
         self.engine_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
         self.connect_timeout = check_seconds(self.name, "connect_timeout", connect_timeout)
         self.regions = RegionTable(self.name, self.engine_id, cuda=self.capabilities.cuda_memory)
-        self.inbound = InboundTable(self.name, self._notify)
+        self.inbound = InboundTable(self.name, self._notify, self_settles=self.cut_settles)
         self.outbound = Outbound()
         self.readiness = Readiness(self.engine_id)
         self.scratches = Scratches()  # device temporaries, bounded per engine (made on first use)
@@ -196,7 +208,22 @@ class EngineBase(TransportEngine):
     def link_context(self, backend: str | None = None) -> LinkContext:
         """The narrow view of this engine a link gets (`backend`: the descriptors' backend name)."""
         return LinkContext(backend or self.name, self.engine_id, self.regions, self.readiness,
-                           self.connect_timeout, self.outbound.forget)
+                           self.connect_timeout, self.outbound.forget, not self.cut_settles,
+                           self.outbound.farewell)
+
+    @property
+    def cut_settles(self) -> bool:
+        """Whether stopping a link's data path on our side proves none of its bytes lands later.
+
+        True where this engine could fence (`capabilities.fence`, or a backend
+        whose fence a `fence=False` option only switched off: its own reading
+        or copying still lands every byte). False where a peer writes into our
+        memory with nothing here able to stop it (nixl-all, verbs
+        `fence="qp"`, ucx-all): such a link settles only on its sender's word
+        (`Bye(quiet=True)`) or death, and our own links of that kind drain
+        before they say goodbye (`LinkContext.drains`).
+        """
+        return self.capabilities.fence or type(self).FENCE_OPTION
 
     # -- memory ------------------------------------------------------------------
     def register(self, tensor: torch.Tensor) -> LocalRegion:
@@ -287,6 +314,12 @@ class EngineBase(TransportEngine):
     def backend_usage(self) -> dict[str, int]:
         """The backend's own entries of `usage()`."""
         return {}
+
+    def settled(self, engine_id: str, incarnation: str | None = None) -> bool:
+        return self.inbound.settled(engine_id, incarnation)
+
+    def refuse_new_links(self, engine_id: str) -> None:
+        self.inbound.seal(engine_id)
 
     # -- listening -----------------------------------------------------------------
     def listen(self, host: str, port: int, max_pending: int) -> None:

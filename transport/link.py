@@ -66,7 +66,9 @@ class LinkContext:
     `backend` names the descriptors it accepts, `regions` resolves local
     regions, `readiness` runs the post queues' waits, `connect_timeout` is the
     bound on every wait of the link, `forget(link)` drops a dead link from the
-    engine's outbound table.
+    engine's outbound table, `drains` says the link must drain before it hangs
+    up (`EngineBase.cut_settles`), `farewell(thread)` hands the engine the
+    thread a failed link says its goodbye on, for `close()` to join.
     """
 
     backend: str
@@ -75,6 +77,10 @@ class LinkContext:
     readiness: Readiness
     connect_timeout: float
     forget: Any  # Callable[[Link], None]
+    # The peer cannot stop our writes into its memory (one-sided, no fence): a dying link waits
+    # for its operations to end and says so (`control.ControlledLink.drain`, #25.1).
+    drains: bool = False
+    farewell: Any = None  # Callable[[threading.Thread], None]: the engine joins a dying link's goodbye
 
 
 class Link(Connection):
@@ -85,6 +91,10 @@ class Link(Connection):
     `on_sever(error)` (the link just died: stop its I/O; no lock held) and
     `finish()` (after close's sever: join threads; idempotent).
     """
+
+    # The receiver's name for this link (`Connection.incarnation`): a backend sets it once its
+    # handshake named it (tcp: its link id; loopback: its arrival; control links: the Welcome's).
+    incarnation: str | None = None
 
     def __init__(self, ctx: LinkContext, peer: str, what: str) -> None:
         self.ctx = ctx

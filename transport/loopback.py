@@ -39,6 +39,7 @@ import collections
 import logging
 import os
 import threading
+import uuid
 import weakref
 from typing import Any
 
@@ -104,7 +105,8 @@ class LoopbackLink(Link):
         self.arrival = Arrival(inbound, self, ctx.engine_id)
         self._worker = threading.Thread(target=self._run, daemon=True,
                                         name=f"loopback {ctx.engine_id}->{peer}")
-        self.arrival.identify(ctx.engine_id, f"{id(self):x}")
+        self.incarnation = uuid.uuid4().hex  # never reused, unlike an object's id
+        self.arrival.identify(ctx.engine_id, self.incarnation)
         self._worker.start()
 
     # -- the kit's hooks -----------------------------------------------------------

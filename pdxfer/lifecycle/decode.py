@@ -13,10 +13,17 @@ verbs fence="qp", a forced test option), every arrow into FENCING goes instead:
     ABORTING ──no ack in grace──► QUARANTINED ──AbortAck / the prefill's Abort──► FAILED
     EXPECTED/RECEIVING/ABORTING/QUARANTINED ──link lost──► ORPHANED ──peer gone──► FAILED
 
-and a cut AbortAck, or the prefill's Abort(fence), ends in FAILED at once: the
-prefill sends those only after every handle of the request completed or
-failed, or its cut connection closed. QUARANTINED and ORPHANED poll as
-`KVPoll.Quarantined` with the failure's reason: not finished, entries not free.
+and a cut AbortAck, or the prefill's Abort(fence), ends in FAILED once nothing
+of the request can still land. The prefill sends its word only after every
+handle of the request completed or failed, or its cut connection's close
+returned — which does not stop bytes already in flight (tcp's socket
+buffers, a one-sided write the sender's NIC or CPU still runs). So a word
+naming data `links` the request was posted on and that were closed (#25.1)
+holds the request in QUARANTINED until the transport shows every one of them
+settled (`on_quiet`, asked by the driver); with a fence, a cut still fences
+and links that merely closed are waited for the same way. QUARANTINED and
+ORPHANED poll as `KVPoll.Quarantined` with the failure's reason: not
+finished, entries not free.
 
 See `pdxfer.lifecycle` for the rules both sides keep.
 """
@@ -57,7 +64,7 @@ class DecodeLife:
     """One request on the decode: announce it, count the parts that land, finish once."""
 
     __slots__ = ("aborting", "can_fence", "complete", "deadline", "expect", "fence_why", "id",
-                 "last_chunk", "landed", "parts", "phase", "seen", "timing", "told", "xid")
+                 "last_chunk", "landed", "links", "parts", "phase", "seen", "timing", "told", "xid")
 
     def __init__(self, rid: str, xid: int, expect: Expect, timing: Timing, now: float, *,
                  fence: bool = True) -> None:
@@ -73,6 +80,8 @@ class DecodeLife:
         self.aborting: tuple[str, BaseException | None] | None = None
         self.told = False  # a failure before the Expect left was told to the prefill
         self.fence_why = ""
+        # The prefill's data links that may still land bytes of it: Failed once all settled.
+        self.links: frozenset[str] = frozenset()
         self.seen = KVPoll.Bootstrapping
 
     @property
@@ -129,11 +138,12 @@ class DecodeLife:
         self.deadline = now + self.timing.grace
         return [Send(Abort(self.id, self.xid, reason, False))]
 
-    def on_peer_abort(self, reason: str, fence: bool) -> list:
+    def on_peer_abort(self, reason: str, fence: bool, links: tuple | list = ()) -> list:
         """The prefill failed it; `fence`: it cut transfers whose bytes may still be in flight.
 
         The prefill says so only once its transfers completed, failed or were
-        cut: without a fence that is the word a quarantine waits for.
+        cut; `links` names the closed data links they may still be landing
+        through. Without a fence, Failed once those settled (`on_quiet`).
         """
         if self.finished or self.phase in (DPhase.FENCING, DPhase.DIALING, DPhase.ORPHANED):
             return []
@@ -141,17 +151,28 @@ class DecodeLife:
             self.aborting = (reason, RequestError(reason))
         if fence and self.can_fence:
             return self._fence(reason)
-        return self._final("the prefill confirmed its transfers ended" if self._held else None)
+        return self._settle("the prefill confirmed its transfers ended", links,
+                            said=self._held or bool(links))
 
-    def on_abort_ack(self, clean: bool) -> list:
-        """The prefill's answer to our Abort: finished cleanly, or cut (then fence, if we can)."""
+    def on_abort_ack(self, clean: bool, links: tuple | list = ()) -> list:
+        """The prefill's answer to our Abort: finished cleanly, or cut (then fence, if we can).
+
+        `links`: as in `on_peer_abort` — Failed only once they settled.
+        """
         if self.phase not in (DPhase.ABORTING, DPhase.QUARANTINED):
             return []
         if clean:
-            return self._final("the prefill confirmed its transfers ended" if self._held else None)
+            return self._settle("the prefill confirmed its transfers ended", links,
+                                said=self._held or bool(links))
         if self.can_fence:
             return self._fence("the prefill cut its transfers; fenced it")
-        return self._final("the prefill cut its transfers and confirmed it")
+        return self._settle("the prefill cut its transfers and confirmed it", links, said=True)
+
+    def on_quiet(self) -> list:
+        """Every data link the prefill named has settled: nothing of the request can land. Failed."""
+        if self.phase is not DPhase.QUARANTINED or not self.links:
+            return []
+        return self._final(self.fence_why)
 
     def on_link_lost(self, reason: str, error: BaseException) -> list:
         """The control link died: before the Expect nothing can land; after it, fence.
@@ -171,7 +192,7 @@ class DecodeLife:
                           "transport reports the prefill's data connections closed")
 
     def on_peer_gone(self) -> list:
-        """The transport has no open link from the prefill any more (`has_peer` False): free it.
+        """The transport shows every link of the prefill settled (`settled(engine)`): free it.
 
         Only after the control link was lost: while it lives the prefill may
         reopen a data connection and is asked instead.
@@ -212,6 +233,26 @@ class DecodeLife:
         if told:
             effects.append(Send(Abort(self.id, self.xid, reason, False)))
         return effects
+
+    def _settle(self, why: str, links: tuple | list, said: bool) -> list:
+        """The prefill's word: Failed now, or — bytes may still come through `links` — once they settle.
+
+        A request already waiting for links keeps waiting (for their union):
+        a later word never undoes an earlier one's links.
+        """
+        if self.links or links:
+            first = not self.links
+            self.links = self.links | frozenset(links)
+            if not first:
+                return []
+            reason, error = self.aborting or ("failed", None)
+            names = ", ".join(sorted(n or "every link" for n in self.links))
+            self.phase = DPhase.QUARANTINED
+            self.fence_why = why
+            return [Quarantine(f"{reason} [{why}; quarantined until the transport shows its data "
+                               f"link(s) {names} settled: bytes sent before they closed may still "
+                               "land]", error)]
+        return self._final(why if said else None)
 
     def _fence(self, why: str) -> list:
         self.poll  # noqa: B018 — keep the running state visible while fencing

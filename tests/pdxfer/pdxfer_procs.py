@@ -79,9 +79,10 @@ def _csv(values: list[int]) -> str:
 class Prefill(Proc):
     """`prefill_proc.py`: `address` is its bootstrap address."""
 
-    def __init__(self, backend: str, port: int = 0, timeout: float = 2.0) -> None:
+    def __init__(self, backend: str, port: int = 0, timeout: float = 2.0, *extra: str) -> None:
+        """`extra`: more `prefill_proc.py` options (`--kind layer`, `--entries`, `--grace`, `--fence off`)."""
         super().__init__("prefill_proc.py", "--transport", backend, "--port", str(port),
-                         "--timeout", str(timeout))
+                         "--timeout", str(timeout), *extra)
 
     def send(self, rid: str, kv: list[int], state: list[int]) -> None:
         assert self.ask(f"send {rid} {_csv(kv)} {_csv(state)}") == f"SENT {rid}"

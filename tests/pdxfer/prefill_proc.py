@@ -28,9 +28,15 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--kind", default="entry", help="the kv pool's axis order: entry or layer")
+    parser.add_argument("--entries", type=int, default=256)
+    parser.add_argument("--grace", type=float, default=0.3)
+    parser.add_argument("--fence", default="on", help="off: transport_options fence=False")
     args = parser.parse_args()
-    pools = build_pools(256, 16, seed=args.seed, kv_fields=BIG_KV_FIELDS)
-    cfg = EngineConfig(transport=args.transport, port=args.port, timeout=args.timeout, abort_grace=0.3)
+    pools = build_pools(args.entries, 16, kind=args.kind, seed=args.seed, kv_fields=BIG_KV_FIELDS)
+    cfg = EngineConfig(transport=args.transport, port=args.port, timeout=args.timeout,
+                       abort_grace=args.grace,
+                       transport_options={"fence": False} if args.fence == "off" else {})
     engine = PrefillEngine(pools, cfg)
     print(f"READY {engine.bootstrap_address}", flush=True)
 

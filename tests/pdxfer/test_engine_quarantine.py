@@ -90,6 +90,7 @@ class GatedConnection:
 
     def __init__(self, real, gate: threading.Event, held: list) -> None:
         self.real, self.gate, self.held, self.closed = real, gate, held, None
+        self.incarnation = real.incarnation  # the decode asks its transport about this link
 
     def write(self, local, remote, segments, notify=None, *, ready=None):
         assert ready is None  # host pools: the engine hands no producer event

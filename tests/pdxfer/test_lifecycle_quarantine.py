@@ -6,6 +6,12 @@ would fence goes to QUARANTINED (the prefill is alive and will answer) or
 ORPHANED (the control link is gone; only the transport can tell the prefill
 is gone). Every transition into and out of both is driven here, and an
 exhaustive check pins which events alone may release a quarantine.
+
+Since #25.1 the prefill's word is not enough when it names data links that
+were closed with transfers of the request on them (`links`): a close is not
+a fence, bytes sent before it may still land, so the request stays
+QUARANTINED until the driver saw the transport report each settled
+(`on_quiet`).
 """
 
 from __future__ import annotations
@@ -136,6 +142,11 @@ EVENTS = {
     "tick": (False, lambda lf, t: lf.on_tick(t)),
     "fenced": (False, lambda lf, t: lf.on_fenced()),
     "close": (True, lambda lf, t: lf.on_close("c", RequestError("c"))),
+    # The word naming closed links is no proof until they settled (#25.1).
+    "ack_cut_links": (False, lambda lf, t: lf.on_abort_ack(False, ["L"])),
+    "ack_clean_links": (False, lambda lf, t: lf.on_abort_ack(True, ["L"])),
+    "peer_abort_links": (False, lambda lf, t: lf.on_peer_abort("p", True, ["L"])),
+    "quiet": (True, lambda lf, t: lf.on_quiet()),
 }
 
 
@@ -172,3 +183,76 @@ def test_the_prefill_sends_its_word_only_once_nothing_of_the_request_flies() -> 
     effects = life.on_cut_done(inflight=False)
     assert life.phase is PPhase.FAILED
     assert [e.msg for e in effects if isinstance(e, Send)] == [AbortAck("r", 7, False)]
+
+
+# -- the word names closed data links: Failed only once the transport shows them settled (#25.1) --
+
+def test_a_cut_ack_naming_links_holds_the_request_until_they_settle() -> None:
+    life = quarantined_after_timeout()
+    held = only(life.on_abort_ack(False, ["L1", "L2"]), Quarantine)
+    assert life.phase is DPhase.QUARANTINED and life.poll is KVPoll.Quarantined
+    assert life.links == {"L1", "L2"} and "L1, L2 settled" in held.reason
+    assert "the prefill cut its transfers and confirmed it" in held.reason
+    assert life.on_abort_ack(True) == [] and life.on_peer_abort("p", False) == []  # no undoing
+    assert life.on_abort_ack(False, ["L3"]) == [] and life.links == {"L1", "L2", "L3"}
+    assert life.on_tick(1e9) == [] and life.on_peer_gone() == []
+    done = only(life.on_quiet(), Finish)
+    assert done.ok is False and done.reason.endswith("(the prefill cut its transfers and confirmed it)")
+    assert life.on_quiet() == [] and life.poll is KVPoll.Failed
+
+
+def test_every_word_of_the_prefill_naming_links_waits_for_them() -> None:
+    words = {"clean ack": lambda lf: lf.on_abort_ack(True, ["L"]),
+             "its abort, cut": lambda lf: lf.on_peer_abort("p", True, ["L"]),
+             "its abort": lambda lf: lf.on_peer_abort("p", False, ["L"])}
+    for name, word in words.items():
+        for aborted in (False, True) if "abort" in name else (True,):  # an ack answers our Abort
+            life = expected()
+            life.on_landed(0, 0, 2, False, 1.0)
+            if aborted:
+                life.on_abort("x", 2.0)
+            only(word(life), Quarantine)
+            assert life.poll is KVPoll.Quarantined and life.links == {"L"}, (name, aborted)
+            assert only(life.on_quiet(), Finish).ok is False
+    # "" names every link of the prefill (a backend that cannot name one)
+    life = expected()
+    assert "every link settled" in only(life.on_peer_abort("p", True, [""]), Quarantine).reason
+
+
+def test_a_lost_link_while_waiting_for_links_orphans_it() -> None:
+    life = quarantined_after_timeout()
+    life.on_abort_ack(False, ["L"])
+    only(life.on_link_lost("lost", PeerLostError("lost")), Quarantine)
+    assert life.phase is DPhase.ORPHANED and life.on_quiet() == []
+    assert only(life.on_peer_gone(), Finish).ok is False
+
+
+def test_quiet_means_nothing_without_named_links() -> None:
+    assert quarantined_after_timeout().on_quiet() == []
+    assert expected().on_quiet() == []
+
+
+def test_with_a_fence_a_cut_still_fences_and_closed_links_are_waited_for() -> None:
+    life = expected(fence=True)
+    life.on_abort("x", 1.0)
+    assert life.on_abort_ack(False, ["L"]) == [Fence()]  # the fence covers every link
+    clean = expected(fence=True)
+    clean.on_abort("x", 1.0)
+    only(clean.on_abort_ack(True, ["L"]), Quarantine)  # a transfer failed on a closed link
+    assert only(clean.on_quiet(), Finish).ok is False
+
+
+def test_the_prefill_names_every_link_it_posted_on_but_its_live_one() -> None:
+    from types import SimpleNamespace
+
+    from pdxfer.outbound import closed_links
+    from pdxfer.protocol import MAX_LINKS
+
+    conn = SimpleNamespace(incarnation="live", alive=True)
+    session = SimpleNamespace(conn=conn, ready=True)
+    req = SimpleNamespace(session=session, links={"old", "live", "older"})
+    assert closed_links(req) == ["old", "older"]
+    session.ready = False  # cut: its close returned, the reopen has not
+    assert closed_links(req) == ["live", "old", "older"]
+    req.links = {f"l{i}" for i in range(MAX_LINKS + 1)}
+    assert closed_links(req) == [""]  # too many to name: every link

@@ -98,7 +98,8 @@ class InboundPeer(ControlInbound):
             self.agent = make_agent(self.agent_name, self._tls, self._device)
         self.identify(hello.engine, f"{hello.engine}#{self.serial}")
         regions = self._admit(self)
-        return Welcome(self._engine_id, self.agent_name, self._metadata(), region_rows(regions))
+        return Welcome(self._engine_id, self.agent_name, self._metadata(), region_rows(regions),
+                       self.incarnation)
 
     def regions_reply(self, query: int) -> Regions:
         regions = self._live()

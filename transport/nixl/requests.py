@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -90,14 +92,19 @@ class Requests:
     """One engine's queue of writes not yet posted, and its posted NIXL requests.
 
     A link here is anything with `agent` (the peer agent's name), `peer`,
-    `key` (what its prepared lists are filed under) and `dead` — the
-    engine's `NixlLink`s.
+    `key` (what its prepared lists are filed under), `dead` and `ctx.drains`
+    — the engine's `NixlLink`s. A dead link's request
+    still running is released at once, unless its link drains (the peer
+    cannot stop our writes: #25.1): then it is polled until it ends on its
+    own, and `drained` says when none of that link's is left.
     """
 
     def __init__(self, initiator: Initiator) -> None:
         self._initiator = initiator
         self._queue: collections.deque[Write] = collections.deque()
         self._sends: list[_Send] = []
+        self._rounds = threading.Condition()  # notified after every poll (`drained`)
+        self._round = 0
 
     def queue(self, write: Write) -> None:
         """Hand one write to the progress thread. Link's thread."""
@@ -180,8 +187,8 @@ class Requests:
                     state = agent.check_xfer_state(send.xfer)
                 except Exception as exc:
                     state = translate(exc, f"a write to {send.link.peer}")
-                if state == "PROC" and not send.link.dead:
-                    keep.append(send)
+                if state == "PROC" and (not send.link.dead or send.link.ctx.drains):
+                    keep.append(send)  # a dead link that drains lets its writes end on their own
                     continue
                 if state == "DONE":
                     if send.done_seq is not None:
@@ -196,8 +203,31 @@ class Requests:
                     if send.tries < 1000:
                         keep.append(send)
             self._sends = keep
-            moving = any(not s.link.dead for s in keep)
+            moving = any(not s.link.dead or s.link.ctx.drains for s in keep)
+        with self._rounds:
+            self._round += 1
+            self._rounds.notify_all()
         return failed, done, (got if notifs else {}), moving
+
+    def drained(self, link: Any, deadline: float, kick: Any) -> bool:
+        """Wait (until `deadline`) until no request of `link` is posted; True if none is.
+
+        Checked under the initiator's lock, which `post` holds while it posts:
+        a write being posted as the link died is seen here once posted. Not
+        from the progress thread (it is what ends them); `kick` wakes it.
+        """
+        while True:
+            with self._rounds:
+                seen = self._round
+            with self._initiator.lock:
+                if not any(send.link is link for send in self._sends):
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            kick()
+            with self._rounds:
+                self._rounds.wait_for(lambda seen=seen: self._round != seen, left)
 
     def drop(self, link: Any) -> None:
         """Release a dead link's posted requests (the initiator's lock held by the caller)."""

@@ -22,6 +22,12 @@ or fenced us) or NIXL reports the transfer broken (`post_refused`).
 A region registered by the peer after we connected is unknown here until a
 `Refresh` round trip, which a write naming it triggers once (the kit's
 `resolve`).
+
+Closing under `tls="all"` (the peer cannot fence our cma/rc/cuda_ipc writes,
+#25.1): the dead link first drains — the progress thread keeps polling its
+requests until each is DONE or ERR on its own (`Requests.drained`) — and
+only then says `Bye(quiet=True)`, the receiver's proof that none of them
+still writes; then its requests are released and the peer's agent forgotten.
 """
 
 from __future__ import annotations
@@ -104,6 +110,10 @@ class NixlLink(ControlledLink):
         self.agent = self._initiator.load_metadata(msg.metadata, self.agent, count=False)
         self.peer_regions = _table(msg.regions)
         self._initiator.invalidate(self.key)  # lists prepared against the old metadata
+
+    def drain(self, deadline: float) -> bool:
+        """Every write of this dead link ended on its own (the progress thread polls them): True."""
+        return self._requests.drained(self, deadline, self._kick)
 
     def hang_up_path(self) -> None:
         """Cancel this link's requests and forget the peer's agent (and our lists of it)."""

@@ -7,7 +7,8 @@ connection per link (`transport.control`), in `transport.wire` frames of
 protocol `pdxfer-nixl`:
 
   sender → receiver: `Hello` once, `Refresh` (a region unknown to us was
-  named), `Bye` (we are closing: fence us);
+  named), `Bye` (we are closing: fence us; `quiet` once every write we posted on the link
+  ended — the proof a receiver that cannot fence waits for, #25.1);
   receiver → sender: `Welcome` (its NIXL agent's metadata and its regions),
   `Regions` (answer to `Refresh`), `Acks` (these transfers landed and their
   notify was delivered), `Gone` (a region was deregistered).
@@ -30,7 +31,7 @@ import numpy as np
 from ..control import Acks, Bye, Gone, Refresh
 from ..wire import LENGTH, Protocol
 
-VERSION = 2  # 2: region rows carry the CUDA device (-1: host)
+VERSION = 3  # 2: region rows carry the CUDA device (-1: host); 3: Welcome.link, Bye.quiet (#25.1)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Welcome:
     agent: str
     metadata: bytes  # the serving agent's full NIXL metadata
     regions: bytes  # little-endian int64 rows (region_id, address, length, gpu; -1 host)
+    link: str  # the receiver's name for this link (`Connection.incarnation`)
 
 
 @dataclass(frozen=True)

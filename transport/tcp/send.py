@@ -108,6 +108,7 @@ class TcpLink(Link):
         self._qids = itertools.count(1)
         self._turn = itertools.count()  # round-robin start stream of each transfer
         link = uuid.uuid4().hex
+        self.incarnation = link  # every stream's Hello names it: the receiver's incarnation
         self.streams: list[_Stream] = []
         deadline = time.monotonic() + ctx.connect_timeout  # one bound for the whole link
         try:

@@ -8,7 +8,17 @@ returns as if it had fenced. The notify case holds the kit's delivery point
 fenced" and the handler call) at a gate and fences from another thread: a
 correct fence waits for the held delivery; a broken one returns while it is
 held, and the delivery then runs after it.
+
+`settled` (#25.1) — what a receiver that cannot fence asks before it reuses
+memory — says False while a link of that sender is open, and True once it
+has ended *with proof*: on every backend whose own stop of a link proves
+nothing more lands (`cut_settles`), the end itself; where the sender writes
+into our memory unstoppably (nixl-all, verbs `fence="qp"`, ucx-all), only
+the sender's `Bye(quiet=True)` after its drain — withheld here, the link
+stays unsettled after it ended. `refuse_new_links` holds a sender's new
+links off until its old ones settled, then lifts by itself.
 """
+
 
 from __future__ import annotations
 
@@ -17,8 +27,8 @@ import threading
 import numpy as np
 import pytest
 
-from ..errors import CapabilityError, PeerLostError
-from .rig import SRC_BYTES, WAIT, Backend, Rig, StepGate, drop_while_gated, good_table, need
+from ..errors import CapabilityError, PeerLostError, TransportError
+from .rig import SRC_BYTES, WAIT, Backend, Rig, StepGate, drop_while_gated, good_table, need, until
 from .tables import assert_landed
 
 # How long a broken fence is given to return while the gated step is held: a
@@ -115,3 +125,39 @@ def test_no_notify_starts_after_drop_peer_returns(backend: Backend, monkeypatch)
             handle.wait(WAIT)
         except PeerLostError:
             pass
+
+
+def test_settled_once_a_closed_link_ended_here_and_only_on_proof(backend: Backend, monkeypatch) -> None:
+    with Rig(backend) as rig:
+        rx, sender = rig.rx, rig.tx.engine_id
+        rig.conn.write(rig.src_region, rig.remote, good_table()).wait(WAIT)
+        link = rig.conn.incarnation
+        assert isinstance(link, str) and link, f"{backend}: its connection names no incarnation"
+        assert not rx.settled(sender, link) and not rx.settled(sender), "an open link read as settled"
+        assert rx.settled(sender, "never-seen") and rx.settled("nobody"), "nothing left to land there"
+        proof = getattr(rx, "cut_settles", rx.capabilities.fence)
+        if not proof:  # only the sender's word settles such a link: it says it could not drain
+            monkeypatch.setattr(type(rig.conn), "drain", lambda self, deadline: False)
+        rig.conn.close()
+        assert until(lambda: not rx.has_peer(sender)), "the closed link never ended at the receiver"
+        if proof:
+            assert until(lambda: rx.settled(sender, link)), "an ended link never read as settled"
+            assert rx.settled(sender)
+        else:
+            assert not rx.settled(sender, link) and not rx.settled(sender), (
+                "a link the sender could not drain read as settled: its writes may still land")
+
+
+def test_refuse_new_links_holds_a_sender_off_until_its_old_links_settled(backend: Backend) -> None:
+    with Rig(backend) as rig:
+        rx, sender = rig.rx, rig.tx.engine_id
+        rig.conn.write(rig.src_region, rig.remote, good_table()).wait(WAIT)
+        rx.refuse_new_links(sender)
+        with pytest.raises(TransportError):
+            rig.tx.open_link(rx.address()).close()  # a second link while the first is open
+        assert rx.has_peer(sender), "the refusal touched the link that was already there"
+        rig.conn.write(rig.src_region, rig.remote, good_table()).wait(WAIT)
+        rig.conn.close()
+        assert until(lambda: rx.settled(sender)), "the closed link never settled"
+        conn = rig.tx.connect(rx.address())  # its old links settled: the refusal lifted itself
+        conn.write(rig.src_region, rig.remote, good_table()).wait(WAIT)

@@ -102,10 +102,11 @@ class UcxInbound(ControlInbound):
         host = self.host
         address = host.progress.ask(lambda: self._make_worker(hello.worker), host.timeout,
                                     "creating a UCX worker")
-        self._deliverer = threading.Thread(target=self._deliver_loop, daemon=True,
-                                           name=f"ucx-notify {hello.engine}")
-        self._deliverer.start()
-        return Welcome(host.engine_id, address, region_rows(host.regions.live()))
+        deliverer = threading.Thread(target=self._deliver_loop, daemon=True,
+                                     name=f"ucx-notify {hello.engine}")
+        deliverer.start()  # then published: a fence racing this never joins an unstarted thread
+        self._deliverer = deliverer
+        return Welcome(host.engine_id, address, region_rows(host.regions.live()), self.incarnation)
 
     def _make_worker(self, sender: bytes) -> bytes:
         """A worker for this link (progressed from now on) and its endpoint to the sender's; its address.

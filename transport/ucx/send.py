@@ -19,7 +19,11 @@ with the translated error.
 
 Closing: the kit's `finish` says `Bye` and hangs up; `hang_up_path` then
 force-closes the endpoint on the progress thread, which ends (fails) every
-send still in flight, so none outlives the link.
+send still in flight, so none outlives the link. Under `tls="all"` the
+peer cannot stop what UCX moves for us (cuda_ipc, rc: no fence), so first
+the link drains (#25.1): every tag send it posted must complete on its own
+— a completed send's bytes are in the peer's memory — before it says
+`Bye(quiet=True)`; a send force-closed mid-way proves nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -45,6 +50,7 @@ from .wire import CONTROL, Hello, Posted, Regions, announce
 
 log = logging.getLogger(__name__)
 JOIN_TIMEOUT = 2.0
+DRAIN_POLL = 0.002  # longest pause between two looks at a draining link's sends (s)
 
 
 def _table(data: bytes) -> dict[int, Remote]:
@@ -64,6 +70,7 @@ class UcxLink(ControlledLink):
         self._ep: Any = None
         self._frames: collections.deque[bytes] = collections.deque()
         self._announced: dict[int, Post] = {}  # writes waiting for the peer's `Posted` (link lock)
+        self._sending: list[Any] = []  # tag sends not yet seen complete (progress thread; ctx.drains)
         self._cond = threading.Condition()
         try:
             self.peer_regions = _table(self.welcome.regions)
@@ -125,6 +132,25 @@ class UcxLink(ControlledLink):
         except TransportError:
             pass  # the engine's progress thread is gone: it closed every endpoint itself
 
+    def drain(self, deadline: float) -> bool:
+        """Every tag send this link posted has completed on its own (asked on the UCX thread)."""
+        pause = 0.0
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                if self._progress.ask(self._settled, max(left, 0.001), "draining a link's sends"):
+                    return True
+            except TransportError:  # the UCX thread is gone or slow: nothing proven
+                return False
+            if left <= 0:
+                return False
+            pause = min(DRAIN_POLL, pause * 2 + 2e-5)
+            time.sleep(pause)
+
+    def _settled(self) -> bool:
+        self._sending = [req for req in self._sending if not req.completed]
+        return not self._sending
+
     def finish(self) -> None:
         super().finish()
         if self._writer is not threading.current_thread():
@@ -150,6 +176,9 @@ class UcxLink(ControlledLink):
         except Exception as exc:
             self.sever(lib.translate(exc, f"posting transfer {seq} to {self.what}"))
             return
+        if self.ctx.drains:
+            self._settled()  # forget what completed, so the list holds what is in flight
+            self._sending += reqs
         self._progress.track(Batch(self._worker, reqs, lambda error: self._sent(seq, error), hold=src))
 
     def _sent(self, seq: int, error: Exception | None) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 from ..control import Acks, Bye, Gone, Refresh
 from ..wire import DEFAULT_MAX_FRAME, Protocol
 
-VERSION = 1
+VERSION = 2  # 2: Welcome.link, Bye.quiet (#25.1)
 # Runs per Announce frame: 16 B each, so a frame stays well under max_frame.
 MAX_ROWS = 32768
 
@@ -55,6 +55,7 @@ class Welcome:
     engine: str
     worker: bytes  # UCX worker address
     regions: bytes  # little-endian int64 rows (region_id, length)
+    link: str  # the receiver's name for this link (`Connection.incarnation`)
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ class InboundPeer(ControlInbound):
         except api.PyverbsError as exc:
             raise TransportError(f"cannot build the link from {hello.engine}: {exc}") from exc
         p = dev.port
-        return Welcome(self._engine_id, qpns, psns, p.lid, p.gid, p.mtu, self.region_rows(), dev.credits)
+        return Welcome(self._engine_id, qpns, psns, p.lid, p.gid, p.mtu, self.region_rows(), dev.credits,
+                       self.incarnation)
 
     def _build(self, hello: Hello) -> tuple[list[int], list[int]]:
         """Create QPs, slots and MRs and bring the QPs to RTR: `(qpns, psns)` for the welcome."""

@@ -26,12 +26,20 @@ arrived (RC: after every WRITE before them) and its notify ran. Any error —
 an error completion (named by its WC status), a closed control socket, a
 protocol violation — severs the link: handles fail, the QPs go to ERR and
 are destroyed, and the next `connect()` builds a fresh one.
+
+Draining (`fence="qp"`: the receiver cannot revoke what we write, #25.1):
+before its `Bye` a dead link moves its QPs to ERR and posts one signaled
+marker per rail; RC flushes a send queue in order, so the marker's
+completion comes after every WR posted before it has completed or been
+flushed — none of them puts a packet on the wire any more. Only then does
+it say `Bye(quiet=True)`.
 """
 
 from __future__ import annotations
 
 import collections
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +59,8 @@ from .device import Device, local_key
 from .wire import SLOT, Hello, Regions, pack_note
 
 RAIL_MIN = 1 << 20  # a transfer is striped over one rail per this many bytes, up to `rails`
+DRAIN_MARK = 1 << 40  # wr_id of the marker a draining rail posts (no window frees this many slots)
+DRAIN_POLL = 0.002  # longest pause between two looks at a draining link's CQ (s)
 
 
 class _Rail:
@@ -180,6 +190,42 @@ class VerbsLink(ControlledLink):
                 rail.queue.clear()
             self._used.clear()
         super().on_sever(error)
+
+    def drain(self, deadline: float) -> bool:
+        """QPs to ERR, a marker per rail, and its flush completion reaped: no WR of ours still runs."""
+        api = self._dev.api
+        with self.lock:
+            if self._cq is None or self._mr is None:
+                return True  # never connected: nothing was posted
+            rails = {rail.qp.qp_num: rail for rail in self._rails}
+            for rail in rails.values():
+                try:
+                    rail.qp.modify(*build.err_attr(api))
+                except api.PyverbsError:
+                    pass  # already in ERR (an error completion put it there)
+        marked: set[int] = set()
+        pause = 0.0
+        while rails:
+            with self.lock:
+                for qpn, rail in rails.items():
+                    if qpn not in marked:
+                        marker = build.note_wr(api, DRAIN_MARK, self._note_base, 1, self._mr.lkey)
+                        try:
+                            rail.qp.post_send(marker)
+                            marked.add(qpn)
+                        except api.PyverbsError:
+                            pass  # its SQ is full: the flushes reaped below make room
+                _, wcs = self._cq.poll(64)
+            for wc in wcs:
+                if int(wc.wr_id) == DRAIN_MARK:
+                    rails.pop(wc.qp_num, None)
+            if not rails:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            pause = 0.0 if wcs else min(DRAIN_POLL, pause * 2 + 2e-5)  # a CQ has no event to wait on
+            time.sleep(pause)
+        return True
 
     def hang_up_path(self) -> None:
         """QPs to ERR, then destroy QPs, note MR and CQ (under the lock: no poll is running)."""

@@ -4,7 +4,8 @@ Each link has one TCP control connection (the engine's listener, as tcp and
 nixl have), in `transport.wire` frames of protocol `pdxfer-verbs`:
 
   sender -> receiver: `Hello` (its QP number, PSN and address), `Refresh`
-  (a region unknown to us was named), `Bye` (we are closing: fence us);
+  (a region unknown to us was named), `Bye` (we are closing: fence us; `quiet` once every WR
+  we posted on the link completed or was flushed, #25.1);
   receiver -> sender: `Welcome` (its QP, the regions with their per-link
   rkeys, how many notes it can hold), `Regions` (answer to `Refresh`), `Acks`
   (these transfers landed and their notify ran: each returns a credit),
@@ -29,7 +30,7 @@ from ..control import Acks, Bye, Gone, Refresh
 from ..segments import MAX_NOTIFY
 from ..wire import LENGTH, Protocol
 
-VERSION = 1
+VERSION = 2  # 2: Welcome.link, Bye.quiet (#25.1)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Welcome:
     mtu: int
     regions: bytes  # little-endian int64 rows (region_id, address, length, rkey)
     credits: int  # receive slots per rail: notes the sender may have unacknowledged on it
+    link: str  # the receiver's name for this link (`Connection.incarnation`)
 
 
 @dataclass(frozen=True)
