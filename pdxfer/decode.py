@@ -58,7 +58,6 @@ from .protocol import (
     Abort,
     AbortAck,
     Fenced,
-    Hello,
     Ping,
     Refuse,
     Welcome,
