@@ -50,7 +50,19 @@ from .model import HybridModel, ModelConfig, deterministic_torch
 from .reference import reference_generate
 from .rpc import Failed, GenerateDone, RoutedGenerate, RpcClient, expect_reply, figures_from_wire
 
+_PRINTING = threading.Lock()
 _STARTUP_TIMEOUT_S = 120.0  # N + M torch imports at once on a loaded two-core machine
+
+
+def say(line: str) -> None:
+    """One whole line to stdout: the router's threads, the kill and the directory print at once.
+
+    `print` writes the text and its newline separately, so two threads' lines could join (a test
+    reading the output by line once missed one).
+    """
+    with _PRINTING:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -103,7 +115,7 @@ class Router:
         if victim is not None:
             victim.kill()
             self.killed_at = time.monotonic()
-            print(f"killed prefill p0 (pid {victim.info['pid']}) with {rid} in flight", flush=True)
+            say(f"killed prefill p0 (pid {victim.info['pid']}) with {rid} in flight")
 
 
 def serve_requests(args: argparse.Namespace, router: Router, decodes: list[WorkerHandle],
@@ -118,12 +130,6 @@ def serve_requests(args: argparse.Namespace, router: Router, decodes: list[Worke
     for i in range(args.requests):
         todo.put(i)
     reply_timeout = 4 * args.timeout + 30
-    printing = threading.Lock()
-
-    def say(line: str) -> None:
-        with printing:
-            print(line, flush=True)
-
     def drive(d: int, handle: WorkerHandle) -> None:
         client = RpcClient(handle.info["rpc"], timeout=args.timeout)
         try:
@@ -221,26 +227,26 @@ def run(args: argparse.Namespace) -> int:
             url = f"etcd://127.0.0.1:{etcd.client_port}/example-{uuid.uuid4().hex[:8]}"
             print(f"  etcd pid {etcd.pid} at {etcd.url}; directory {url}", flush=True)
         directory = open_directory(url, ttl=args.ttl, follow=((name, "prefill"),))
-        quiet = directory.subscribe(lambda e: print(
+        quiet = directory.subscribe(lambda e: say(
             f"  directory: {e.kind} {e.slot.instance} "
-            f"({(e.record or e.old).engine} at {(e.record or e.old).address})", flush=True))
+            f"({(e.record or e.old).engine} at {(e.record or e.old).address})"))
         prefills, decodes = start_workers(args, url, sizes, handles)
         for h in handles:
-            print(f"  {h.info['role']:<8}worker pid {h.info['pid']}, rpc {h.info['rpc']}", flush=True)
+            say(f"  {h.info['role']:<8}worker pid {h.info['pid']}, rpc {h.info['rpc']}")
         want = [f"p{i}" for i in range(args.prefill)]
         if not directory.wait_for(lambda: directory.instances(name, "prefill") == want, args.timeout):
             print(f"error: the directory lists {directory.instances(name, 'prefill')}, "
                   f"expected {want}", file=sys.stderr)
             return 1
         router = Router(directory, name, prefills[0] if args.kill_prefill else None)
-        print(HEADER, flush=True)
+        say(HEADER)
         outcomes = serve_requests(args, router, decodes, model)
         if router.killed_at is not None:
             gone = directory.wait_for(lambda: "p0" not in directory.instances(name, "prefill"),
                                       args.ttl + 5)
-            print(f"p0 {'is down' if gone else 'is STILL listed'} "
-                  f"{time.monotonic() - router.killed_at:.2f} s after the kill (lease {args.ttl} s):"
-                  f" the router picks from {directory.instances(name, 'prefill')}", flush=True)
+            say(f"p0 {'is down' if gone else 'is STILL listed'} "
+                f"{time.monotonic() - router.killed_at:.2f} s after the kill (lease {args.ttl} s):"
+                f" the router picks from {directory.instances(name, 'prefill')}")
         return finish(summary(outcomes), handles, started)
     except (WorkerStartError, DirectoryError, PeerLostError, TransferTimeout, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

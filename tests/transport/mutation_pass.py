@@ -103,6 +103,13 @@ MUTATIONS = [
     ("U4", "transport/ucx/send.py", "        pause = 0.0\n        while True:\n            left",
      "        return True\n        while True:\n            left",
      ["tests/pdxfer/test_engine_late_bytes.py", "-k", "ucx"]),
+    # -- #25.2: aliased destination memory ----------------------------------------------------------
+    ("A1", "layout/per_layer.py", "        alias = first_alias(footprints)\n        if alias is not None:",
+     "        alias = first_alias(footprints)\n        if False:",
+     ["tests/layout/test_per_layer.py", "-k", "sharing_memory"]),
+    ("A2", "pdxfer/pools.py", "    alias = first_alias(footprints)\n    if alias is not None:",
+     "    alias = first_alias(footprints)\n    if False:",
+     ["tests/pdxfer/test_pool_aliasing.py"]),
     # -- layout's planner ------------------------------------------------------------------------
     ("P1", "layout/segments.py", "    if src.size < 2 or (src[1:] >= src[:-1]).all():\n        return None",
      "    if src.size < 2:\n        return None\n    return np.argsort(src, kind='stable')[::-1]",
