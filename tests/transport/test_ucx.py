@@ -252,7 +252,12 @@ def probe(monkeypatch):
 
 
 def test_closing_an_endpoint_is_no_fence_for_a_worker_that_keeps_progressing(probe) -> None:
-    out = probe.probe(probe.Case("tcp", "auto", "inf", "endpoint", 64 << 20), timeout=WAIT)
+    # The sender stalls on (capped) socket buffers before the receiver progresses at all, so
+    # the message is mid-flight at the fence; after it the sender runs until its send ends.
+    out = probe.probe(probe.Case("tcp", "auto", "inf", "endpoint", 16 << 20), run_after=WAIT,
+                      timeout=2 * WAIT)
+    assert not out.sent_at_pause and 0 < out.landed_at_fence < 16 << 20, (
+        f"not mid-transfer at the fence: {out}")
     assert out.leaked > 0, f"nothing landed after the endpoint was closed: {out}"
 
 
