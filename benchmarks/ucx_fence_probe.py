@@ -15,8 +15,15 @@ the receive half-way, in two ways, under each UCX configuration asked for:
 The sender is held still while the receiver matches the message and fences
 (it is told to pause the moment its first packet arrived) and resumes after
 the fence; then the receiver counts the bytes of its buffer that changed after
-its fence returned. Everything is ordered by messages on a pipe, not sleeps,
-except the sender's bounded run after the fence (`--run-after`).
+its fence returned. Both step their workers one `progress_once` at a time until
+the pause: UCXX's `progress()` drains all that arrives, and a receiver looking
+for the first packet with it once took in the whole message while the sender
+kept sending — nothing was left in flight at the fence. Stepped, the sender
+gets at most the socket buffers (capped at `SOCKET_BUFFER` over tcp: this
+host's autotuning lets one loopback connection buffer 36 MiB) and one step's
+read ahead of the pause; `sent_at_pause` says if it finished anyway.
+Everything is ordered by messages on a pipe, not sleeps; the sender's run
+after the fence ends when its send does, bounded by `--run-after`.
 
     .venv/bin/python benchmarks/ucx_fence_probe.py --mib 16
     .venv/bin/python benchmarks/ucx_fence_probe.py --tls tcp --scheme auto --fence worker --mib 4
@@ -44,6 +51,7 @@ import numpy as np
 
 TAG = 0x5EED  # the probe's message
 WIREUP = 0x5EEE  # one small exchange first, so the endpoints are wired before we measure
+SOCKET_BUFFER = "1m"  # each tcp socket's kernel buffers (UCX's TCP_SNDBUF/TCP_RCVBUF)
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,8 @@ class Case:
         """The UCX context options (passed to UCXX, never through the environment)."""
         cfg = {"RNDV_SCHEME": self.scheme, "RNDV_THRESH": self.thresh}
         if self.tls == "tcp":
-            cfg.update(TLS="tcp", NET_DEVICES="lo")
+            cfg.update(TLS="tcp", NET_DEVICES="lo", TCP_SNDBUF=SOCKET_BUFFER,
+                       TCP_RCVBUF=SOCKET_BUFFER)
         return cfg
 
     @property
@@ -72,7 +81,11 @@ class Case:
 
 @dataclass
 class Outcome:
-    """What the receiver saw: bytes landed at the fence and after it, and the send's end."""
+    """What the receiver saw: bytes landed at the fence and after it, and the send's end.
+
+    `sent_at_pause`: whether the sender's request had completed when it paused
+    (then nothing was in flight at the fence: the case proves nothing).
+    """
 
     landed_at_fence: int
     landed_after: int
@@ -80,6 +93,7 @@ class Outcome:
     send_status: str
     worker_released: bool | None
     fence_s: float
+    sent_at_pause: bool
 
     @property
     def leaked(self) -> int:
@@ -124,7 +138,7 @@ def _wire(ucx: Any, array: Any, worker: Any, ep: Any) -> None:
 
 
 def sender(pipe: Connection, case: Case, run_after: float) -> None:
-    """The peer: send one message, pause when told, resume after the fence for `run_after` s."""
+    """The peer: send one message, pause when told, resume after the fence (<= `run_after` s)."""
     ucx, array, _ctx, worker = _worker(case.config())
     pipe.send(bytes(worker.address))
     peer = ucx.UCXAddress.create_from_buffer(pipe.recv())
@@ -134,9 +148,9 @@ def sender(pipe: Connection, case: Case, run_after: float) -> None:
     assert pipe.recv() == "send"
     req = ep.tag_send(array(src), ucx.UCXXTag(TAG))
     while not pipe.poll():  # until the receiver saw our first packet
-        worker.progress()
+        worker.progress_once()
     assert pipe.recv() == "pause"
-    pipe.send("paused")
+    pipe.send(("paused", req.completed))
     assert pipe.recv() == "resume"
     deadline = time.monotonic() + run_after
     while time.monotonic() < deadline and not req.completed:
@@ -158,9 +172,10 @@ def receiver(pipe: Connection, case: Case, out: Any) -> None:
     while not worker.tag_probe(ucx.UCXXTag(TAG)).matched:  # its first packet is here
         if time.monotonic() > deadline:
             raise TimeoutError("the probe message did not arrive in 30 s")
-        worker.progress()
+        worker.progress_once()
     pipe.send("pause")
-    assert pipe.recv() == "paused"
+    said, sent_at_pause = pipe.recv()
+    assert said == "paused"
     req = ep.tag_recv(array(buf), ucx.UCXXTag(TAG))
     # Let the match take effect: rendezvous answers go out, buffered eager data lands.
     for _ in range(200):
@@ -185,13 +200,18 @@ def receiver(pipe: Connection, case: Case, out: Any) -> None:
         if worker is not None:
             worker.progress()  # a shared worker keeps serving its other peers
         else:
-            time.sleep(0.005)
+            pipe.poll(1.0)  # a retired worker is never progressed: wait for the sender
     send_status = pipe.recv()
     if case.fence == "endpoint":
+        # what the sender handed its socket before it finished lands too (bounded)
+        deadline = time.monotonic() + 5
+        while not req.completed and time.monotonic() < deadline:
+            worker.progress()
         recv_status = _status(req)
     after = int(np.count_nonzero(buf))
     pipe.send("bye")
-    out.put(asdict(Outcome(at_fence, after, recv_status, send_status, released, round(fence_s, 4))))
+    out.put(asdict(Outcome(at_fence, after, recv_status, send_status, released, round(fence_s, 4),
+                           sent_at_pause)))
 
 
 def probe(case: Case, run_after: float = 1.0, timeout: float = 90.0) -> Outcome:
@@ -229,7 +249,8 @@ def main() -> int:
     parser.add_argument("--fence", default="endpoint,worker")
     parser.add_argument("--mib", type=int, default=16, help="message size")
     parser.add_argument("--run-after", type=float, default=1.0,
-                        help="seconds the sender keeps progressing after the fence")
+                        help="seconds the sender may keep progressing after the fence (it "
+                             "stops once its send ended)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tiny", action="store_true",
                         help="4 MiB messages and a 0.3 s run after the fence (the docs test's size)")

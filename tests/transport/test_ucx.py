@@ -166,6 +166,80 @@ def test_drop_peer_fences_a_receive_with_bytes_in_flight(monkeypatch) -> None:
             child.wait()
 
 
+class _FenceAtDeliveryStart:
+    """`threading` for `ucx.inbound`, whose delivery thread's `start()` first fences its link.
+
+    The fence runs on a thread of its own, from the moment the link's
+    control thread starts that delivery thread: the window in which a fence
+    once found the thread made and not yet started (`stop_path` joined it:
+    "cannot join thread before it is started"). The fence is let finish
+    first unless the starting thread holds the lock `stop_path` takes (then
+    it would wait for us: we start, and it goes on after).
+    """
+
+    def __init__(self, link_of) -> None:
+        self.fences: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+        self.entered = threading.Event()
+        self.delivery: list[threading.Thread] = []
+        outer = self
+
+        class Thread(threading.Thread):
+            def start(self) -> None:
+                if not self.name.startswith("ucx-notify"):
+                    return super().start()
+                link = link_of()
+                outer.delivery.append(self)
+                fence = threading.Thread(target=outer._fence, args=(link,), daemon=True)
+                outer.fences.append(fence)
+                fence.start()
+                assert outer.entered.wait(WAIT), "the fence never reached stop_path"
+                if link._lock.acquire(blocking=False):  # not ours: the fence will not wait for us
+                    link._lock.release()
+                    fence.join(WAIT)
+                super().start()
+
+        self.Thread = Thread
+
+    def _fence(self, link) -> None:
+        try:
+            link.fence()
+        except BaseException as exc:  # handed to the test
+            self.errors.append(exc)
+
+    def __getattr__(self, name: str):
+        return getattr(threading, name)
+
+
+def test_a_fence_at_the_moment_the_delivery_thread_starts_never_joins_an_unstarted_thread(
+        monkeypatch) -> None:
+    from pdxfer.transport.ucx import inbound
+
+    with transport.create("ucx") as rx, transport.create("ucx") as tx:
+        hook = _FenceAtDeliveryStart(lambda: next(x for x in rx.inbound.links() if x.sender))
+        stop_path = inbound.UcxInbound.stop_path
+
+        def entered(link) -> None:
+            hook.entered.set()
+            stop_path(link)
+
+        monkeypatch.setattr(inbound.UcxInbound, "stop_path", entered)
+        monkeypatch.setattr(inbound, "threading", hook)
+        try:
+            tx.connect(rx.address())
+        except transport.TransportError:
+            pass  # fenced in its handshake: refused, or severed right after the welcome
+        assert hook.fences, "no delivery thread was started: the hook never ran"
+        for fence in hook.fences:
+            fence.join(WAIT)
+            assert not fence.is_alive(), "the fence never finished"
+        assert not hook.errors, f"the fence failed: {hook.errors!r}"
+        assert _until(lambda: not rx.has_peer(tx.engine_id))
+        for thread in hook.delivery:  # started under the fence's lock, then ended by it
+            thread.join(WAIT)
+            assert not thread.is_alive()
+
+
 # -- UCX itself: why the fence is per-link worker retirement, and why ucx-all cannot fence ------
 
 @pytest.fixture
@@ -178,7 +252,12 @@ def probe(monkeypatch):
 
 
 def test_closing_an_endpoint_is_no_fence_for_a_worker_that_keeps_progressing(probe) -> None:
-    out = probe.probe(probe.Case("tcp", "auto", "inf", "endpoint", 64 << 20), timeout=WAIT)
+    # The sender stalls on (capped) socket buffers before the receiver progresses at all, so
+    # the message is mid-flight at the fence; after it the sender runs until its send ends.
+    out = probe.probe(probe.Case("tcp", "auto", "inf", "endpoint", 16 << 20), run_after=WAIT,
+                      timeout=2 * WAIT)
+    assert not out.sent_at_pause and 0 < out.landed_at_fence < 16 << 20, (
+        f"not mid-transfer at the fence: {out}")
     assert out.leaked > 0, f"nothing landed after the endpoint was closed: {out}"
 
 

@@ -3,7 +3,8 @@
 What is ucx's on the kit (`transport.engine.EngineBase`): the control
 listener's connections become `inbound.UcxInbound`s (each gets a worker of
 its own), outbound links are `send.UcxLink`s (endpoints of the engine's one
-sending worker), and `progress.Progress` is the only thread that calls UCX.
+sending worker), and `progress.Progress` is the only thread that calls UCX
+once the constructor has made the context and the sending worker.
 
 Options: `tls` — `"tcp"` (default: UCX's tcp transport only, `drop_peer` a
 real fence) or `"all"` (UCX's full list: CUDA memory through UCX's cuda
@@ -52,6 +53,14 @@ def check_tls(tls: Any) -> str:
     return tls
 
 
+def _current_cuda_device() -> None:
+    """UCX's cuda transports work in the calling thread's current CUDA context: the UCX thread's.
+
+    Unverified here (no GPU); `make gpu-check` runs it.
+    """
+    torch.cuda.set_device(torch.cuda.current_device())
+
+
 class UcxEngine(EngineBase):
     """A ucx transport engine: UCXX tag messages, announced over a control link, one UCX thread."""
 
@@ -84,10 +93,17 @@ class UcxEngine(EngineBase):
         self.tls = tls
         self.device = interface_of(host)
         self._serial = itertools.count(1)
+        # Made here, before the UCX thread exists, and then handed to it: start-up waits on
+        # nothing outside this process, so it is no wait for `connect_timeout` to bound (as an
+        # `ask` of the UCX thread it once outlasted a 0.5 s connect_timeout at load 14).
+        self.context = lib.context(tls, self.device)
+        self.worker = lib.worker(self.context)
+        self.worker_address = lib.worker_address(self.worker)
         self.progress = Progress(self.engine_id)
         try:
-            self.context, self.worker, self.worker_address = self.progress.ask(
-                self._start, self.connect_timeout, "starting UCX")
+            if self.capabilities.cuda_memory and torch.cuda.is_available():
+                self.progress.call(_current_cuda_device)
+            self.progress.call(lambda: self.progress.adopt(self.worker))
             self.host = Host(self.engine_id, self.progress, self.context, self.regions,
                              self.connect_timeout)
             self.link_regions = LinkRegions(self.regions, self.inbound, UcxInbound)
@@ -95,16 +111,6 @@ class UcxEngine(EngineBase):
         except BaseException:
             self.progress.stop()
             raise
-
-    def _start(self) -> tuple[Any, Any, bytes]:
-        if self.capabilities.cuda_memory and torch.cuda.is_available():
-            # UCX's cuda transports work in the calling thread's current CUDA context: this
-            # thread's (unverified here: no GPU; `make gpu-check` runs it)
-            torch.cuda.set_device(torch.cuda.current_device())
-        ctx = lib.context(self.tls, self.device)
-        worker = lib.worker(ctx)
-        self.progress.adopt(worker)
-        return ctx, worker, lib.worker_address(worker)
 
     def why_no_fence(self) -> str:
         return ("with UCX's full transport list (tls='all') a copy UCX started (cuda_ipc, cma) "

@@ -104,8 +104,14 @@ class UcxInbound(ControlInbound):
                                     "creating a UCX worker")
         deliverer = threading.Thread(target=self._deliver_loop, daemon=True,
                                      name=f"ucx-notify {hello.engine}")
-        deliverer.start()  # then published: a fence racing this never joins an unstarted thread
-        self._deliverer = deliverer
+        # Started and published under the lock `stop_path` takes after the fence set `dead`:
+        # the fence either joins a started thread or finds the link dead here and none starts
+        # (it once joined one between its creation and its start: RuntimeError).
+        with self._cond:
+            if self.dead:
+                raise PeerLostError("link fenced during its handshake")
+            deliverer.start()
+            self._deliverer = deliverer
         return Welcome(host.engine_id, address, region_rows(host.regions.live()), self.incarnation)
 
     def _make_worker(self, sender: bytes) -> bytes:
@@ -247,6 +253,7 @@ class UcxInbound(ControlInbound):
         """Retire this link's worker on the progress thread; return once it will never progress again."""
         with self._cond:
             self._cond.notify_all()  # the delivery thread sees `dead` and ends
+            deliverer = self._deliverer  # started, or never will be (`admit`)
         progress = self.host.progress
         if progress.on_thread:
             self._retire()
@@ -255,7 +262,6 @@ class UcxInbound(ControlInbound):
                 progress.ask(self._retire, self.host.timeout, "retiring a fenced link's worker")
             except ClosedError:
                 pass  # the UCX thread has ended: it progresses no worker any more
-        deliverer = self._deliverer
         if deliverer is not None and deliverer is not threading.current_thread():
             deliverer.join(JOIN_TIMEOUT)
 

@@ -1,9 +1,11 @@
 """The one thread that calls UCX: it owns every worker of an engine, posts, progresses, completes.
 
-Every UCXX call of an engine — creating workers and endpoints, posting tag
-sends and receives, progress, completion checks, closing endpoints and
-releasing workers — happens on this thread, so UCX is driven from one thread
-and no lock is ever held across a UCX call. Other threads hand it work with
+Every UCXX call of a running engine — creating workers and endpoints,
+posting tag sends and receives, progress, completion checks, closing
+endpoints and releasing workers — happens on this thread, so UCX is driven
+from one thread and no lock is ever held across a UCX call. (The engine's
+constructor makes its context and sending worker before this thread has any
+of it, then hands the worker over with `adopt`.) Other threads hand it work with
 `call(fn)` (a queue append and a wake-up: never blocks) or, where they need
 the answer, `ask(fn, timeout)` (bounded).
 
