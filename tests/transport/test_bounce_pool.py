@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from pdxfer.transport.errors import CapabilityError, PeerLostError
+from pdxfer.transport.errors import CapabilityError, PeerLostError, TransferTimeout
 from pdxfer.transport.tcp.bounce import DEFAULT_POOL_BYTES, BouncePool
 from pdxfer.transport.testing.rig import Gate
 from pdxfer.transport.testing.tables import CANARY, assert_landed
@@ -103,6 +103,34 @@ def test_a_stalled_slot_holder_is_cut_and_the_slot_serves_another_peer() -> None
         gate.release()
         for engine in (hub, stalled, live):
             engine.close()
+
+
+def test_a_freed_slot_goes_to_the_longest_waiter_not_back_to_its_holder() -> None:
+    pool = BouncePool(SLOT, 2 * SLOT, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+    mine, theirs = pool.bounce(sending=True), pool.bounce(sending=True)
+    pool.activate()
+    half = mine.half
+    got, done = threading.Event(), threading.Event()
+
+    def wait_for_the_slot() -> None:
+        with theirs.lease():
+            got.set()
+            done.wait(WAIT)
+
+    with mine.lease():  # the only sending slot
+        waiter = threading.Thread(target=wait_for_the_slot)
+        waiter.start()
+        deadline = time.monotonic() + WAIT
+        while not half._waiting and time.monotonic() < deadline:  # polling a predicate
+            time.sleep(0.001)
+        assert half._waiting, "the other stream never waited"
+    # Given back; asking again at once finds the other stream first in line.
+    with pytest.raises(TransferTimeout, match="no tcp bounce slot for sending freed within 0.05 s"):
+        half.take(0.05)
+    assert got.wait(WAIT) and not half._waiting
+    done.set()
+    waiter.join(WAIT)
+    half.give(half.take(WAIT))  # and back to us once it is done
 
 
 def test_the_pool_is_allocated_at_activation_up_to_what_the_streams_can_use() -> None:

@@ -28,10 +28,16 @@ Rules, each with its reason:
 * **Bounded waits.** A slot holder cannot keep it for ever: the stream arms
   a send/receive timeout of `timeout` seconds (the engine's
   `connect_timeout`) on its socket while it holds one (`held_for`), so a peer
-  that moves no byte of a batch for that long is taken for stalled and its
-  link is cut, which frees the slot. A stream waits for a free slot at most
-  twice that (so a stalled holder is cut before a waiter gives up), then
-  fails with `TransferTimeout` naming the pool.
+  that does not move a whole batch within that time is taken for stalled and
+  its link is cut, which frees the slot — a deadline for the batch, not an
+  idle timeout, so a trickle of bytes does not extend it. A stream waits for
+  a free slot at most twice that (so a stalled holder is cut before a waiter
+  gives up), then fails with `TransferTimeout` naming the pool.
+* **First come, first served.** A freed slot goes to the stream that has
+  waited longest (`_Half.take`). A stream gives its slot back after every
+  batch and asks again at once; without a line it could win the slot back
+  every time and starve another peer's stream for as long as its own peer
+  keeps reading — past that waiter's bound, with no peer stalled.
 
 Accounting, testable without a GPU: `allocated_bytes` is what the allocator
 handed out (`allocate(nbytes) -> torch.Tensor`, an injectable seam; the
@@ -47,6 +53,7 @@ and moves to the kit unchanged the day a second backend needs bounce buffers.
 
 from __future__ import annotations
 
+import collections
 import socket
 import struct
 import threading
@@ -84,6 +91,10 @@ class _Half:
         self._allocate = allocate
         self._cond = threading.Condition()
         self._free: list[torch.Tensor] = []
+        # Waiters in arrival order: a freed slot goes to the longest waiter, so a stream that
+        # gives its slot back between batches and asks again at once cannot starve another
+        # peer's stream of it (it did: a flood to one peer kept the only slot for over 1 s).
+        self._waiting: collections.deque[object] = collections.deque()
         self.count = 0  # slots allocated (or being allocated) so far
         self.wanted = 0  # streams that may each hold one slot at a time
         self.active = False
@@ -106,29 +117,37 @@ class _Half:
     def take(self, timeout: float) -> torch.Tensor:
         """A free slot, waiting at most `timeout` s; `TransferTimeout` naming the pool."""
         deadline = time.monotonic() + timeout
+        me = object()
         with self._cond:
-            while not self._free:
-                if self.count < self.cap and self.count < max(self.wanted, 1):
-                    # Only when a stream raced the activation that allocates its slot.
-                    self.count += 1
-                    self._cond.release()
-                    try:
-                        return self._allocate(self.slot_bytes)
-                    finally:
-                        self._cond.acquire()
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left) and not self._free:
-                    raise TransferTimeout(
-                        f"no tcp bounce slot for {self.what} freed within {timeout} s: all "
-                        f"{self.count} slots of {self.slot_bytes} B are held by other streams' "
-                        "CUDA transfers; raise bounce_pool_bytes, or move fewer CUDA transfers "
-                        "at once")
-            return self._free.pop()
+            self._waiting.append(me)
+            try:
+                while not (self._free and self._waiting[0] is me):
+                    if (self._waiting[0] is me and self.count < self.cap
+                            and self.count < max(self.wanted, 1)):
+                        # Only when a stream raced the activation that allocates its slot.
+                        self.count += 1
+                        self._cond.release()
+                        try:
+                            return self._allocate(self.slot_bytes)
+                        finally:
+                            self._cond.acquire()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TransferTimeout(
+                            f"no tcp bounce slot for {self.what} freed within {timeout} s: all "
+                            f"{self.count} slots of {self.slot_bytes} B are held by other streams' "
+                            "CUDA transfers; raise bounce_pool_bytes, or move fewer CUDA transfers "
+                            "at once")
+                    self._cond.wait(left)
+                return self._free.pop()
+            finally:
+                self._waiting.remove(me)  # at most one entry per stream: short
+                self._cond.notify_all()  # the next in line may be served by what is free
 
     def give(self, buf: torch.Tensor) -> None:
         with self._cond:
             self._free.append(buf)
-            self._cond.notify()
+            self._cond.notify_all()  # the one at the head of the line must wake, whoever that is
 
     @property
     def free(self) -> int:
@@ -211,17 +230,30 @@ class Bounce:
             self.half.give(buf)
 
     @contextmanager
-    def held_for(self, sock: socket.socket, option: int) -> Iterator[None]:
-        """Arm `option` (SO_SNDTIMEO / SO_RCVTIMEO) on `sock` while a slot is held across it.
+    def held_for(self, sock: socket.socket, option: int) -> Iterator[Callable[[], None]]:
+        """Bound what crosses `sock` while a slot is held to `timeout` s in all; yields `pace`.
 
-        Blocking calls then fail with `BlockingIOError` once the peer moved no
-        byte for `timeout` s, instead of keeping a shared slot for ever.
+        `pace()`, called before each blocking call (`io.send_all`/`recv_all`
+        take it), arms `option` (SO_SNDTIMEO / SO_RCVTIMEO) with the time left
+        and raises `BlockingIOError` once it is spent. A deadline for the whole
+        batch, not an idle timeout per call: a peer that takes a few bytes
+        every so often (a window that opens by a segment) would otherwise keep
+        a shared slot for ever — one did, past a waiter's bound.
         """
-        secs = int(self.timeout)
-        sock.setsockopt(socket.SOL_SOCKET, option,
-                        struct.pack("ll", secs, int((self.timeout - secs) * 1e6)))
+        deadline = time.monotonic() + self.timeout
+
+        def pace() -> None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BlockingIOError(f"a bounced batch not across within {self.timeout} s")
+            secs = int(left)
+            # (0, 0) would mean no timeout at all: at least one microsecond
+            sock.setsockopt(socket.SOL_SOCKET, option,
+                            struct.pack("ll", secs, max(1, int((left - secs) * 1e6))))
+
+        pace()
         try:
-            yield
+            yield pace
         finally:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", 0, 0))

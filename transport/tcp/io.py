@@ -18,7 +18,7 @@ import bisect
 import itertools
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -34,17 +34,21 @@ def _ends(buffers: list[memoryview], sizes: list[int] | None) -> list[int]:
     return list(itertools.accumulate(sizes if sizes is not None else [b.nbytes for b in buffers]))
 
 
-def send_all(sock: socket.socket, buffers: list[memoryview], sizes: list[int] | None = None) -> None:
+def send_all(sock: socket.socket, buffers: list[memoryview], sizes: list[int] | None = None,
+             pace: Callable[[], None] | None = None) -> None:
     """Send every buffer, in order, with as few `sendmsg` calls as the kernel allows.
 
     `sizes` (each buffer's byte count) may be passed when the caller already
-    has them, sparing a pass over the buffers.
+    has them, sparing a pass over the buffers. `pace`, if given, is called
+    before each call (a bounce slot's deadline: `Bounce.held_for`).
     """
     ends = _ends(buffers, sizes)
     total = ends[-1] if ends else 0
     pos = i = 0
     first = buffers[0] if buffers else None
     while pos < total:
+        if pace is not None:
+            pace()
         sent = sock.sendmsg([first, *buffers[i + 1:i + IOV_MAX]])
         pos += sent
         i = bisect.bisect_right(ends, pos)
@@ -53,17 +57,21 @@ def send_all(sock: socket.socket, buffers: list[memoryview], sizes: list[int] | 
             first = buffers[i][pos - start:]
 
 
-def recv_all(sock: socket.socket, buffers: list[memoryview], sizes: list[int] | None = None) -> int:
+def recv_all(sock: socket.socket, buffers: list[memoryview], sizes: list[int] | None = None,
+             pace: Callable[[], None] | None = None) -> int:
     """Fill every buffer, in order, with as few `recvmsg_into` calls as the kernel allows.
 
     Returns the bytes received; raises `ConnectionError` at EOF (callers
-    translate it), since a stream never ends mid-payload on purpose.
+    translate it), since a stream never ends mid-payload on purpose. `pace`
+    as in `send_all`.
     """
     ends = _ends(buffers, sizes)
     total = ends[-1] if ends else 0
     pos = i = 0
     first = buffers[0] if buffers else None
     while pos < total:
+        if pace is not None:
+            pace()
         # MSG_WAITALL: the kernel fills the whole list before returning, so a
         # batch costs one call instead of one per socket-buffer's worth.
         got = sock.recvmsg_into([first, *buffers[i + 1:i + IOV_MAX]], 0, socket.MSG_WAITALL)[0]

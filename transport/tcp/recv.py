@@ -156,7 +156,7 @@ class InboundStream(InboundLink):
         try:
             self._serve()
         except BlockingIOError:  # the receive timeout armed while a bounce slot was held
-            log.warning("closing %s: the sender sent no byte of a bounced batch for %s s while "
+            log.warning("closing %s: the sender did not send a bounced batch within %s s while "
                         "this stream held a slot of the shared bounce pool", self.where,
                         self.bounce.timeout)
         except TransferTimeout as exc:  # no bounce slot freed in time
@@ -248,9 +248,9 @@ class InboundStream(InboundLink):
             with bounce.lease() as slot, self.guard:
                 if self.dead:
                     return
-                with bounce.held_for(self.sock, socket.SO_RCVTIMEO):
+                with bounce.held_for(self.sock, socket.SO_RCVTIMEO) as pace:
                     for batch in bounce.plan(ranges, MAX_ROWS):
-                        recv_all(self.sock, [bounce.space(slot, int(batch[:, 1].sum()))])
+                        recv_all(self.sock, [bounce.space(slot, int(batch[:, 1].sum()))], pace=pace)
                         bounce.scatter(slot, region.data, batch, 0)
         self._got += nbytes
 

@@ -208,7 +208,7 @@ class TcpLink(Link):
                     self._send_stripe(stream, item)
             except BlockingIOError:  # the send timeout armed while a bounce slot was held
                 self.sever(PeerLostError(
-                    f"{self.what} took no byte of a bounced batch for {stream.bounce.timeout} s "
+                    f"{self.what} did not take a bounced batch within {stream.bounce.timeout} s "
                     "while this stream held a slot of the engine's shared bounce pool; taken "
                     "for stalled and cut, which frees the slot"))
                 return
@@ -263,8 +263,8 @@ class TcpLink(Link):
                 bufs.append(bounce.gather(slot, item.src.data, batch, 0, item.ready))
                 if j == len(parts) - 1:
                     bufs.append(memoryview(end))
-                with bounce.held_for(stream.sock, socket.SO_SNDTIMEO):
-                    send_all(stream.sock, bufs)
+                with bounce.held_for(stream.sock, socket.SO_SNDTIMEO) as pace:
+                    send_all(stream.sock, bufs, pace=pace)
 
     def _read_loop(self, stream: _Stream) -> None:
         while True:
