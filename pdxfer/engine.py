@@ -220,7 +220,8 @@ class Engine:
             self._shutdown()
         finally:
             self._progress.stop(self.config.shutdown_wait)
-            self._transport.close()
+            self._transport.close()  # also shuts the socket under a dial in progress
+            self._join_workers()
             reason = f"{self.role} engine closed"
             with self._lock:  # the transport is down: nothing lands or is read any more
                 for req in self._table.running():
@@ -229,6 +230,14 @@ class Engine:
 
     def _shutdown(self) -> None:
         """Role-specific part of close(), run before the thread stops."""
+
+    def _join_workers(self) -> None:
+        """Join the role's worker threads (bounded), once the transport is closed.
+
+        After, not before: a worker blocked in a dial ends as soon as the
+        transport's close shuts its socket, so close() does not wait out the
+        dial's `connect_timeout` (#25.4).
+        """
 
     def _tick(self, now: float) -> float:
         """Timers; returns seconds until the next wanted tick."""

@@ -196,6 +196,8 @@ class DecodePeers:
             except TransportError:
                 pass
         self._run_on_progress(self._shutdown_on_thread, self.config.shutdown_wait)
+
+    def _join_workers(self) -> None:
         self._data.close(self.config.shutdown_wait)
 
     def _shutdown_on_thread(self) -> None:

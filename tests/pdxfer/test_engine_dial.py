@@ -9,6 +9,8 @@ held the prefill's dial thread forever despite `connect_timeout`, and
 Now the transport bounds the whole dial by one deadline, and its `close()`
 shuts the socket under a dial in progress (`transport/dial.py`; that half is
 the kit's `test_close_ends_a_dial_in_progress`, on every listening backend).
+The engine closes its transport before it joins its dial workers, so its
+`close()` returns at once rather than after the dial's `connect_timeout`.
 """
 
 from __future__ import annotations
@@ -61,5 +63,32 @@ def test_a_trickled_welcome_cannot_hold_the_prefills_dial_past_connect_timeout(b
         for t in dials:
             t.join(5.0)
         assert not [t.name for t in dials if t.is_alive()], "a dial thread outlived close()"
+    finally:
+        fake.close()
+
+
+def test_close_ends_a_dial_in_progress_without_waiting_out_connect_timeout(backend) -> None:
+    # close() shuts the transport (and the socket under the dial) before it joins its dial
+    # workers; joining first would wait out the dial's whole connect_timeout.
+    _listening(backend)
+    fake = Trickler(every=0.2, silent=True)
+    cfg = config(backend, timeout=30.0, connect_timeout=30.0)
+    before = set(threading.enumerate())
+    try:
+        prefill = PrefillEngine(build_pools(64, 16), cfg)
+        with DecodeEngine(build_pools(64, 16), cfg) as mute:
+            raw = _hello_pointing_at(prefill, mute, backend, fake.port)
+            try:
+                assert fake.accepted.wait(WAIT), "the prefill never dialed the decode's data address"
+                dials = [t for t in set(threading.enumerate()) - before if t.name.startswith("pdxfer-dial")]
+                assert dials, "no dial thread found"
+                t0 = time.monotonic()
+                prefill.close()
+                took = time.monotonic() - t0
+            finally:
+                raw.close()
+        assert took < 10.0, f"close() took {took:.1f} s with a dial held (connect_timeout 30 s)"
+        assert not [t.name for t in dials if t.is_alive()], "a dial thread outlived close()"
+        assert fake.hung_up.wait(WAIT)
     finally:
         fake.close()
