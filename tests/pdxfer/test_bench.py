@@ -351,3 +351,10 @@ def test_bench_peers_tiny_reports_throughput_memory_and_threads(tmp_path: Path,
     # the bench forces tcp's bounce path: its pool is what a GPU host would pin, 2 streams a peer
     assert [m["bounce"] for m in memory] == [k * (8 << 20) for k in (2, 4, 2, 4)]
     assert all(m["threads"] > m["base_threads"] for m in memory)
+
+
+def test_bench_directory_names_a_bad_etcd_binary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "directory", "--tiny", "--etcd-binary", str(tmp_path / "no-etcd")])
+    assert exc.value.code == 2
+    assert "--etcd-binary: etcd binary" in capsys.readouterr().err
