@@ -7,6 +7,7 @@ cover the mechanisms nixl adds to meet it.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import ipaddress
 import os
@@ -345,6 +346,9 @@ def test_a_sender_that_does_not_acknowledge_gone_is_fenced() -> None:
         region = rig.rx.register(torch.from_numpy(memory))
         rig.conn.write(rig.src_region, region.descriptor(), np.array([[0, 0, 16]], np.int64)).wait(WAIT)
         watch = weakref.ref(memory)
+        # The sender gives up first (0.2 s, the receiver 1 s): a sender that acknowledged anyway
+        # would be believed, and the link would not be fenced.
+        rig.conn.ctx = dataclasses.replace(rig.conn.ctx, connect_timeout=0.2)
         handle, _, thread = _deregister_while_posting_is_held(rig, memory, region, WAIT)
         assert not thread.is_alive(), "deregister did not return within its bound"
         assert not rig.rx.inbound.links(), "the link that did not answer was not fenced"
