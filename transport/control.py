@@ -63,6 +63,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
@@ -178,6 +179,17 @@ class ControlledLink(Link):
         """A frame of the backend's own (ucx's `Posted`); False if it is not one. Raises to sever."""
         return False
 
+    def region_gone(self, region_id: int) -> None:
+        """The peer deregistered `region_id` (reader thread): forget it, under the link lock.
+
+        Under the lock `submit` runs under, so a write whose `submit` comes
+        after this can check the table and see the region gone (nixl's
+        `GoneAck` counts on it). A backend that must say when nothing of it
+        still writes there extends this.
+        """
+        with self.lock:
+            self.peer_regions = {k: v for k, v in self.peer_regions.items() if k != region_id}
+
     def drain(self, deadline: float) -> bool:
         """After the link died: wait (until `deadline`, monotonic) until no operation it posted can
         still write into the peer; True if none can. Called only when `ctx.drains`.
@@ -290,7 +302,7 @@ class ControlledLink(Link):
                     if done is not None:
                         done.set()
                 elif isinstance(msg, Gone):
-                    self.peer_regions = {k: v for k, v in self.peer_regions.items() if k != msg.region}
+                    self.region_gone(msg.region)
                 elif self.on_frame(msg):
                     pass
                 elif isinstance(msg, ErrorMessage):
@@ -355,6 +367,12 @@ class ControlInbound(InboundLink):
         """Region `region_id` was deregistered (its registrations closed): tell the sender."""
         self.send(Gone(region_id))
 
+    def gone_settled(self, region_id: int, deadline: float) -> None:
+        """After `region_gone`: return (by `deadline`, monotonic) once this link keeps nothing of the
+        region alive. Default: nothing is kept. No lock held by the caller.
+        """
+        del region_id, deadline
+
     # -- the link's thread ----------------------------------------------------------------
     def run(self) -> None:
         w = self.WIRE
@@ -371,7 +389,9 @@ class ControlInbound(InboundLink):
             while not self.dead:
                 msg = w.CONTROL.recv(self.sock)
                 if isinstance(msg, Refresh):
-                    self._send(self.regions_reply(msg.query))
+                    # Made under the send lock: a `Gone` for a region the reply lists goes
+                    # after it, never before (`send_made`).
+                    self.send_made(lambda msg=msg: self.regions_reply(msg.query))
                 elif isinstance(msg, Bye):
                     self.quiet_said = msg.quiet  # the sender's word that nothing of it still writes
                     break
@@ -469,8 +489,19 @@ class ControlInbound(InboundLink):
             log.warning("%s: link from %s lost while sending acks: %s", self.table.name, self.sender, error)
             self.fence()
 
-    def _send(self, msg: Any) -> None:
+    def send_made(self, make: Callable[[], Any]) -> None:
+        """Send the frame `make()` returns, made under the send lock (a reply listing regions).
+
+        So a frame a deregistration sends after it (`Gone`) cannot overtake
+        one made from the region table before the region left it: a sender
+        never reinstalls a region it was told is gone.
+        """
+        self._send(None, make)
+
+    def _send(self, msg: Any, make: Callable[[], Any] | None = None) -> None:
         with self.send_lock:
+            if make is not None:
+                msg = make()
             # Acks queued before this reply go ahead of it, whole: frames never interleave, and
             # none is left behind for a `flush_acks` that may not come (a reply that left acks
             # queued once stalled a sender that had nothing more to send).
@@ -526,8 +557,14 @@ class LinkRegions:
             link.add_region(region)
         return regions
 
-    def deregistered(self, region: Region) -> None:
-        """A region was deregistered (its registrations closed): tell every link."""
-        for link in self.links():
+    def deregistered(self, region: Region, timeout: float = 0.0) -> None:
+        """A region was deregistered (its registrations closed): tell every link, then let each
+        one settle it (`gone_settled`) within `timeout` s of one shared deadline. No lock held.
+        """
+        links = self.links()
+        for link in links:
             link.region_gone(region.region_id)
+        deadline = time.monotonic() + timeout
+        for link in links:
+            link.gone_settled(region.region_id, deadline)
 

@@ -164,9 +164,13 @@ class LoopbackLink(Link):
                 self.sever(TransportError(f"loopback link broken by a failed copy: {exc}"))
                 return
             # The kit's delivery rule: never after the target's fence returned.
-            if not arrival.deliver((post.notify,)):
+            notify, seq = post.notify, post.seq
+            # Not kept while the worker waits for the next write: the post holds the target's
+            # region, which must die with its `deregister` (#19: nothing kept alive).
+            del post
+            if not arrival.deliver((notify,)):
                 return
-            self.acked([post.seq])
+            self.acked([seq])
 
 
 class LoopbackEngine(EngineBase):

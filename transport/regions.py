@@ -10,8 +10,9 @@ A region is the parent of the registrations a backend makes over its memory
 ones before the engine-wide one), and the engine keeps nothing of it. Only
 what still uses the memory holds it: an in-flight transfer holds its
 `Region` (so a copy that outlives `deregister` finishes into memory that is
-still alive), and a link that may still receive a write naming it holds it
-until that link ends (nixl: `nixl/inbound.py`). Region ids are never reused
+still alive); a link that may still receive a write naming it is settled
+before `deregister` returns (nixl: its sender's `GoneAck`, or a fence —
+`nixl/inbound.py`), so nothing of the engine keeps it after. Region ids are never reused
 within an engine, so a stale descriptor can never address a newer,
 different region.
 """

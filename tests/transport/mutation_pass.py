@@ -103,6 +103,17 @@ MUTATIONS = [
     ("U4", "transport/ucx/send.py", "        pause = 0.0\n        while True:\n            left",
      "        return True\n        while True:\n            left",
      ["tests/pdxfer/test_engine_late_bytes.py", "-k", "ucx"]),
+    # -- #19: deregistration keeps nothing alive (nixl's GoneAck) ----------------------------------
+    ("N3", "transport/control.py", "            link.gone_settled(region.region_id, deadline)",
+     "            pass",
+     ["tests/transport/test_nixl.py", "tests/transport/test_kit_conformance.py", "-k",
+      "gone or keeps_nothing"]),
+    ("N4", "transport/nixl/send.py",
+     "                        region_id, self.peer, timeout)\n            return\n",
+     "                        region_id, self.peer, timeout)\n",
+     ["tests/transport/test_nixl.py", "-k", "gone"]),
+    ("N5", "transport/nixl/send.py", "            if post.region not in self.peer_regions:",
+     "            if False:", ["tests/transport/test_nixl.py", "-k", "producer"]),
     # -- #25.2: aliased destination memory ----------------------------------------------------------
     ("A1", "layout/per_layer.py", "        alias = first_alias(footprints)\n        if alias is not None:",
      "        alias = first_alias(footprints)\n        if False:",

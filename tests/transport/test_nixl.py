@@ -7,6 +7,8 @@ cover the mechanisms nixl adds to meet it.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import ipaddress
 import os
 import pathlib
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -285,3 +288,95 @@ def test_registrations_per_link_only_where_the_link_is_fenced(tls: str, per_link
     finally:
         for engine in (*senders, rx):
             engine.close()
+
+
+def _deregister_while_posting_is_held(rig: Rig, memory: np.ndarray, region, fence_wait: float):
+    """Deregister `region` on the receiver while the sender's agent lock is held, so a write the
+    sender accepted before `Gone` sits in its request queue; `(snapshot at return, thread)`.
+
+    The lock is held until the sender's reader waits for that write (`Requests.settled`) and
+    deregister has had `fence_wait` s to return early, as a broken wait would.
+    """
+    requests = rig.tx._requests
+    settling, snapshot = threading.Event(), []
+    real = requests.settled
+
+    def settled(*args):
+        settling.set()
+        return real(*args)
+
+    requests.settled = settled
+
+    def deregister() -> None:
+        rig.rx.deregister(region)
+        snapshot.append(memory.copy())
+
+    with rig.tx._initiator.lock:  # the progress thread cannot post: the write waits, counted
+        handle = rig.conn.write(rig.src_region, region.descriptor(), np.array([[0, 0, 50_000]], np.int64))
+        thread = threading.Thread(target=deregister)
+        thread.start()
+        assert settling.wait(WAIT), "the sender never waited for its writes into the region"
+        thread.join(fence_wait)  # a receiver that does not wait for the ack returns here
+    return handle, snapshot, thread
+
+
+def test_a_write_posted_before_gone_lands_before_deregister_returns(rig: Rig) -> None:
+    # #19: deregister lets the memory go only once the sender said no write naming the region
+    # is left (GoneAck): the write it had accepted is posted, lands, and only then do we return.
+    memory = np.full(1 << 16, CANARY, dtype=np.uint8)
+    region = rig.rx.register(torch.from_numpy(memory))
+    rig.conn.write(rig.src_region, region.descriptor(), np.array([[0, 0, 16]], np.int64)).wait(WAIT)
+    memory[:] = CANARY
+    handle, snapshot, thread = _deregister_while_posting_is_held(rig, memory, region, 0.5)
+    thread.join(WAIT)
+    assert not thread.is_alive(), "deregister never returned"
+    assert_landed(rig.src, snapshot[0], np.array([[0, 0, 50_000]], np.int64))
+    handle.wait(WAIT)
+    assert rig.rx.inbound.links() and rig.conn.alive, "an acknowledged Gone must not cost the link"
+    assert all(region.region_id not in p.held for p in rig.rx.inbound.links())
+    with pytest.raises(RegistrationError, match=f"no region {region.region_id}"):
+        rig.conn.write(rig.src_region, region.descriptor(), np.array([[0, 0, 16]], np.int64))
+
+
+def test_a_sender_that_does_not_acknowledge_gone_is_fenced() -> None:
+    # The sender's write stays unposted past both bounds (its agent lock held): no GoneAck comes,
+    # so the receiver fences the link (nothing of it can land) and lets the memory go.
+    with Rig(Backend.named("nixl"), connect_timeout=1.0) as rig:
+        memory = np.full(1 << 16, CANARY, dtype=np.uint8)
+        region = rig.rx.register(torch.from_numpy(memory))
+        rig.conn.write(rig.src_region, region.descriptor(), np.array([[0, 0, 16]], np.int64)).wait(WAIT)
+        watch = weakref.ref(memory)
+        # The sender gives up first (0.2 s, the receiver 1 s): a sender that acknowledged anyway
+        # would be believed, and the link would not be fenced.
+        rig.conn.ctx = dataclasses.replace(rig.conn.ctx, connect_timeout=0.2)
+        handle, _, thread = _deregister_while_posting_is_held(rig, memory, region, WAIT)
+        assert not thread.is_alive(), "deregister did not return within its bound"
+        assert not rig.rx.inbound.links(), "the link that did not answer was not fenced"
+        del memory, region, _
+        gc.collect()
+        assert watch() is None, "the fenced link still keeps the deregistered memory"
+        with pytest.raises(TransportError):
+            handle.wait(WAIT)
+
+
+def test_a_write_still_waiting_for_its_producer_at_gone_is_refused_not_posted(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A write checked before `Gone` but not yet handed to NIXL (its producer's event pending)
+    # is not counted by the GoneAck: `submit` must refuse it once the region is gone.
+    from pdxfer.transport import link as link_module
+    from pdxfer.transport.testing.cases_engine import Producer
+
+    real = link_module.capture
+    monkeypatch.setattr(link_module, "capture",
+                        lambda ready, device: ready if isinstance(ready, Producer) else real(ready, device))
+    memory = np.full(1 << 16, CANARY, dtype=np.uint8)
+    region = rig.rx.register(torch.from_numpy(memory))
+    producer = Producer()
+    handle = rig.conn.write(rig.src_region, region.descriptor(), np.array([[0, 0, 4096]], np.int64),
+                            ready=producer)
+    assert producer.asked.wait(WAIT)
+    rig.rx.deregister(region)  # acknowledged at once: nothing naming it was handed to NIXL
+    producer.reached.set()
+    with pytest.raises(RegistrationError, match=f"deregistered region {region.region_id} before write"):
+        handle.wait(WAIT)
+    assert (memory == CANARY).all()

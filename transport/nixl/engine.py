@@ -118,7 +118,9 @@ class NixlEngine(EngineBase):
         self._shared.registered(region)
 
     def on_deregister(self, region: Region) -> None:
-        self._shared.deregistered(region)
+        # Each link that announced it answers `GoneAck` (or is fenced) within connect_timeout:
+        # then nothing of ours keeps the memory and nothing can land there (inbound.py).
+        self._shared.deregistered(region, self.connect_timeout)
 
     # -- links ------------------------------------------------------------------------------
     def open_link(self, address: dict[str, Any]) -> Link:
@@ -129,7 +131,8 @@ class NixlEngine(EngineBase):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = InboundPeer(self.inbound, sock, where, slot, engine_id=self.engine_id,
                            serial=next(self._serial), tls=self.tls, device=self.device,
-                           admit=self._shared.admit, live=self.regions.live, shared=self._serving)
+                           admit=self._shared.admit, live=self.regions.live, shared=self._serving,
+                           on_progress_thread=self._progress.on_thread)
         if not (self.inbound.track(peer) and peer.start(peer.run, f"nixl-in {where}")):
             slot.admitted()  # closing: nothing more is served
             sock.close()

@@ -17,9 +17,21 @@ notify being delivered, and no notify of the link starts afterwards.
 Regions: every registered region is registered on this link's agent too
 (a child of the region, keyed by this link: deregistering the region or
 ending the link closes it). Memory: a write the sender posted before it
-heard `Gone` may still land, by raw address; so the link holds every
-region it ever announced until it ends, and only then lets the memory go
-(`held`) — the link, not the engine, is what may still write there.
+heard `Gone` may still land, by raw address, even after the registration
+is gone; so the link holds every region it announced (`held`) until it
+knows none can. Deregistering a region (#19) tells every link `Gone`
+(`region_gone`) and then waits, with no lock held and all links under one
+deadline of the engine's `connect_timeout` (`gone_settled`), for each
+sender's `GoneAck` — its word that every write it posted naming the region
+has ended and none will follow (`send.py`). Acknowledged, the link lets the
+region go. Not acknowledged in time (a stalled or broken sender), the link
+is fenced — its agent destroyed, so nothing of it can land — and lets every
+region go. The link ending meanwhile lets them go too (`stop_path`). Only
+then does `deregister` return: nothing of the engine keeps the memory, and
+nothing can write into it. Called on the progress thread (from a notify
+handler), the wait would hold up the very progress it waits for (over tcp
+the sender's bytes land only inside our progress calls): there it is not
+waited for, and the link is fenced at once.
 
 Cost: one UCX worker and one registration of every region per inbound
 link — cheap on tcp (UCX's tcp transport pins nothing) — and one
@@ -31,8 +43,13 @@ nothing and would register every region — VRAM included — again per link.
 There every link is served by the engine's one initiating agent (`shared`):
 regions are registered once per engine, a sender loads that one agent, and
 the progress thread polls it once per round for every link's notifications
-and hands each link its own (`landed`). The link still holds every region
-it announced until it ends.
+and hands each link its own (`landed`). Deregistration waits for the
+`GoneAck` the same way; but a link that does not answer in time cannot be
+fenced (its cma/cuda_ipc writes need no progress of ours), so it keeps that
+region — logged as a warning — until it ends, as every region was kept
+before #19: by its `Bye(quiet)` or its sender's death (settled), or
+unproven, which `settled()` reports (docs/reliability.md, "What ends a
+no-fence quarantine"). `deregister` returns after the bound either way.
 """
 
 from __future__ import annotations
@@ -40,6 +57,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +69,7 @@ from ..inbound import InboundTable
 from ..listener import Slot
 from ..regions import Region
 from .agent import Initiator, make_agent, translate
-from .wire import Hello, Regions, Welcome, region_rows, unpack_note
+from .wire import Gone, GoneAck, Hello, Regions, Welcome, region_rows, unpack_note
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +92,10 @@ class InboundPeer(ControlInbound):
     def __init__(self, table: InboundTable, sock: socket.socket, where: str, slot: Slot, *,
                  engine_id: str, serial: int, tls: str, device: str | None,
                  admit: Callable[[InboundPeer], list[Region]],
-                 live: Callable[[], list[Region]], shared: Initiator | None = None) -> None:
-        """`shared`: the engine's initiating agent, serving this link too (no fence: tls="all")."""
+                 live: Callable[[], list[Region]], shared: Initiator | None = None,
+                 on_progress_thread: Callable[[], bool] = lambda: False) -> None:
+        """`shared`: the engine's initiating agent, serving this link too (no fence: tls="all");
+        `on_progress_thread()`: whether the caller is the engine's progress thread."""
         super().__init__(table, sock, f"nixl link from {where}", slot)
         self.shared = shared
         self._engine_id = engine_id
@@ -87,7 +107,10 @@ class InboundPeer(ControlInbound):
         self.agent_name = ""
         self.lock = threading.Lock()  # held by every NIXL call on `agent`
         self._regs: dict[int, Any] = {}  # region id -> NIXL registration on `agent`
-        self.held: dict[int, Region] = {}  # every region announced on this link, until it ends
+        self.held: dict[int, Region] = {}  # regions announced on this link, until it lets them go
+        self._due: dict[int, threading.Event] = {}  # region id -> set by its GoneAck (or the stop)
+        self._stopped = False  # `stop_path` ran: nothing of this link can land, nothing is held
+        self.on_progress_thread = on_progress_thread
 
     # -- setup (the control thread) ---------------------------------------------------
     def admit(self, hello: Hello) -> Welcome:
@@ -138,6 +161,46 @@ class InboundPeer(ControlInbound):
                     self.agent.deregister_memory(reg)
                 except Exception:
                     log.exception("nixl: deregistering region %d failed", region_id)
+
+    def region_gone(self, region_id: int) -> None:
+        """Tell the sender `Gone`; if we hold the region, expect its `GoneAck` (`gone_settled`)."""
+        with self.lock:
+            if region_id in self.held and not self._stopped:
+                self._due[region_id] = threading.Event()  # before the Gone: the ack may race it
+        self.send(Gone(region_id))
+
+    def gone_settled(self, region_id: int, deadline: float) -> None:
+        """Let the region go once its `GoneAck` came (by `deadline`), else fence the link (module docstring)."""
+        with self.lock:
+            due = self._due.get(region_id)
+        if due is None:
+            return  # never held, or the link already stopped: nothing is kept
+        wait = 0.0 if self.on_progress_thread() else deadline - time.monotonic()
+        acked = due.wait(max(0.0, wait))
+        with self.lock:
+            self._due.pop(region_id, None)
+            if acked or self._stopped:
+                self.held.pop(region_id, None)
+                return
+        if self.shared is not None:
+            log.warning("nixl: %s did not acknowledge that region %d is gone within the bound; this "
+                        "link cannot be fenced (tls=%r), so it keeps the region until it ends",
+                        self.sender, region_id, self._tls)
+            return
+        log.warning("nixl: %s did not acknowledge that region %d is gone %s; fencing its link",
+                    self.sender, region_id,
+                    "(deregistered on the progress thread)" if wait <= 0 else "within the bound")
+        self.fence()  # `stop_path` lets every region of the link go
+
+    def on_frame(self, msg: object) -> bool:
+        """`GoneAck`: the region it names may go (an ack nobody waits for is dropped)."""
+        if not isinstance(msg, GoneAck):
+            return False
+        with self.lock:
+            due = self._due.get(msg.region)
+        if due is not None:
+            due.set()
+        return True
 
     # -- the data path (the progress thread) -------------------------------------------------
     def poll(self) -> list[tuple[int, bytes | None]] | None:
@@ -193,5 +256,9 @@ class InboundPeer(ControlInbound):
                 del agent  # the last reference: the C++ agent and its UCX worker go now
             # nothing of this link can land any more: the memory is free to go
             held, self.held = list(self.held.values()), {}
+            self._stopped = True
+            due, self._due = list(self._due.values()), {}
+        for event in due:  # a deregistration waiting for an ack: nothing is kept now
+            event.set()
         for region in held:  # their registrations on our agent went with it: forget them
             region.drop(("nixl-link", self.serial))

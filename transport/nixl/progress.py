@@ -63,6 +63,10 @@ class Progress:
         self._thread = threading.Thread(target=self._run, name=f"nixl-progress {name}", daemon=True)
         self._thread.start()
 
+    def on_thread(self) -> bool:
+        """Whether the caller is this loop's thread (a notify handler runs there)."""
+        return threading.current_thread() is self._thread
+
     def kick(self) -> None:
         """Run a round now (a write was submitted)."""
         self._wake.set()

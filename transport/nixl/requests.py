@@ -29,6 +29,14 @@ Readiness is not waited here: the kit's post queue (`transport.posting`)
 submits a write only once its producer's event is reached, so everything
 queued here may go.
 
+Writes naming a region (#19). Every write that moves bytes is counted
+under `(link key, peer region)` from `queue` until its request ends — DONE,
+ERR, released, or never posted — so a link told a region is `Gone` can wait
+(`settled`, bounded, on a condition the progress thread notifies) for none
+of its writes into that region to be left before it says `GoneAck`. The
+count is kept under its own small lock, taken after any other and never
+held across a NIXL call.
+
 Locking: `queue` is the links' (a deque append is atomic); everything else
 runs on the progress thread or, for `drop` and `release_all`, under the
 initiator's lock held by the caller.
@@ -80,12 +88,18 @@ class Write:
 
 
 class _Send:
-    """A posted NIXL request, polled until DONE/ERR and then released."""
+    """A posted NIXL request, polled until DONE/ERR and then released; `names`: its count's key."""
 
-    __slots__ = ("done_seq", "link", "tries", "xfer")
+    __slots__ = ("done_seq", "link", "names", "tries", "xfer")
 
-    def __init__(self, link: Any, xfer: Any, done_seq: int | None) -> None:
+    def __init__(self, link: Any, xfer: Any, done_seq: int | None, names: tuple[int, int]) -> None:
         self.link, self.xfer, self.tries, self.done_seq = link, xfer, 0, done_seq
+        self.names = names
+
+
+def _names(w: Write) -> tuple[int, int] | None:
+    """What a write is counted under — `(link key, peer region)` — or None: it moves no bytes."""
+    return None if w.blocks is None and w.descs is None else (w.link.key, w.region)
 
 
 class Requests:
@@ -105,10 +119,41 @@ class Requests:
         self._sends: list[_Send] = []
         self._rounds = threading.Condition()  # notified after every poll (`drained`)
         self._round = 0
+        # (link key, peer region) -> writes queued or posted that name it (`settled`)
+        self._naming: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._ended = threading.Condition()  # guards `_naming`; notified as a count reaches 0
 
     def queue(self, write: Write) -> None:
-        """Hand one write to the progress thread. Link's thread."""
+        """Hand one write to the progress thread. Link's thread (its lock held: see `settled`)."""
+        names = _names(write)
+        if names is not None:
+            with self._ended:
+                self._naming[names] += 1
         self._queue.append(write)
+
+    def _end(self, names: tuple[int, int] | None) -> None:
+        """One write counted under `names` ended (or was never posted)."""
+        if names is None:
+            return
+        with self._ended:
+            left = self._naming[names] - 1
+            if left > 0:
+                self._naming[names] = left
+                return
+            del self._naming[names]
+            self._ended.notify_all()
+
+    def settled(self, key: int, region: int, deadline: float) -> bool:
+        """Wait (until `deadline`, monotonic) until no write of link `key` naming peer region
+        `region` is queued or posted; True if none is.
+
+        For a link that has stopped submitting writes into `region` (it heard
+        `Gone`, under the lock its `submit` runs under): what is left can
+        only end. Never from the progress thread (it is what ends them).
+        """
+        with self._ended:
+            return self._ended.wait_for(lambda: (key, region) not in self._naming,
+                                        max(0.0, deadline - time.monotonic()))
 
     @property
     def in_flight(self) -> bool:
@@ -126,10 +171,13 @@ class Requests:
         with ini.lock:
             agent = ini.agent
             if agent is None:
+                for w in posts:
+                    self._end(_names(w))
                 return refused, True  # closing: close() fails every link's handles
             for w in posts:
                 link = w.link
                 if link.dead:
+                    self._end(_names(w))
                     continue  # its handles already failed with the link's error
                 try:
                     if w.blocks is None and w.descs is None:
@@ -138,9 +186,10 @@ class Requests:
                     xfer = self._make(ini, agent, w)
                     state = agent.transfer(xfer)
                 except Exception as exc:
+                    self._end(_names(w))  # not posted (NIXL refused to make or start it)
                     refused.append((link, w.seq, translate(exc, f"posting a write to {link.peer}")))
                     continue
-                self._sends.append(_Send(link, xfer, w.seq if w.acked_on_done else None))
+                self._sends.append(_Send(link, xfer, w.seq if w.acked_on_done else None, _names(w)))
                 if state == "ERR":
                     refused.append((link, w.seq, PeerLostError(
                         f"NIXL refused to post a write to {link.peer}: the link is broken")))
@@ -202,6 +251,10 @@ class Requests:
                     send.done_seq = None
                     if send.tries < 1000:
                         keep.append(send)
+                        continue
+                    log.error("nixl: a request to %s could not be released after %d tries; "
+                              "forgetting it", send.link.peer, send.tries)
+                self._end(send.names)
             self._sends = keep
             moving = any(not s.link.dead or s.link.ctx.drains for s in keep)
         with self._rounds:
@@ -236,6 +289,7 @@ class Requests:
             if send.link is link:
                 try:
                     send.xfer.release()
+                    self._end(send.names)
                     continue
                 except Exception:  # still active: poll() retries the release
                     pass
@@ -251,6 +305,9 @@ class Requests:
                 log.debug("nixl: a request was still active at close")
         self._sends = []
         self._queue.clear()
+        with self._ended:  # the engine is going: nothing it posted is waited for any more
+            self._naming.clear()
+            self._ended.notify_all()
 
 
 # Tables of at most this many rows (a request's: already merged by the planner)

@@ -23,6 +23,18 @@ A region registered by the peer after we connected is unknown here until a
 `Refresh` round trip, which a write naming it triggers once (the kit's
 `resolve`).
 
+A region the peer deregistered (`Gone`, #19): the reader drops it from the
+table under the link lock, and `submit` — under the same lock — refuses a
+write naming a region no longer in the table (one already checked, or
+waiting for its producer's event, fails with `RegistrationError`). So from
+then on only writes already handed to `Requests` can name it; the reader
+waits (bounded by `connect_timeout`, on `Requests.settled`'s condition: the
+progress thread never waits for it) until each of them ended, DONE or ERR,
+and then answers `GoneAck`, the receiver's word that it may let the memory
+go. Not answered in time, the receiver fences the link (or, unfenceable,
+keeps the region until the link ends: `inbound.py`). The reader reads no
+`Acks` meanwhile; they wait in the socket.
+
 Closing under `tls="all"` (the peer cannot fence our cma/rc/cuda_ipc writes,
 #25.1): the dead link first drains — the progress thread keeps polling its
 requests until each is DONE or ERR on its own (`Requests.drained`) — and
@@ -33,6 +45,8 @@ still writes; then its requests are released and the peer's agent forgotten.
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,13 +56,15 @@ import pdxfer.transport.nixl.wire as nixl_wire  # absolute: `from . import` depe
 from ..control import ControlledLink, ints
 from ..copying import coalesce_posted
 from ..dial import Dials
-from ..errors import PeerLostError, TransportError
+from ..errors import PeerLostError, RegistrationError, TransportError
 from ..link import LinkContext, Remote
 from ..posting import Post
 from ..regions import Region
 from .agent import MAX_BLOCKS, Initiator
 from .requests import Requests, Write, blocks
-from .wire import Hello, Regions, gpu_of, mem_type, pack_note
+from .wire import GoneAck, Hello, Regions, gpu_of, mem_type, pack_note
+
+log = logging.getLogger(__name__)
 
 _keys = itertools.count(1)  # what a link's prepared lists are filed under (never reused)
 
@@ -99,6 +115,10 @@ class NixlLink(ControlledLink):
                 return
             write = Write(self, post.seq, note, ("DRAM", "DRAM"))
         else:
+            if post.region not in self.peer_regions:  # `Gone` came after the checks: see above
+                raise RegistrationError(
+                    f"engine {self.peer} deregistered region {post.region} before write "
+                    f"{post.seq} was posted; nothing was written — ask the peer for a fresh descriptor")
             mems = (mem_type(gpu_of(post.src)), mem_type(post.dst.info[1]))
             write = Write(self, post.seq, note, mems, post.src, post.region, post.dst,
                           blocks=plan if len(plan) == 3 else None,
@@ -110,6 +130,18 @@ class NixlLink(ControlledLink):
         self.agent = self._initiator.load_metadata(msg.metadata, self.agent, count=False)
         self.peer_regions = _table(msg.regions)
         self._initiator.invalidate(self.key)  # lists prepared against the old metadata
+
+    def region_gone(self, region_id: int) -> None:
+        """`Gone` (reader thread): no new write names it; answer `GoneAck` once the posted ones ended."""
+        super().region_gone(region_id)
+        timeout = self.ctx.connect_timeout
+        if not self._requests.settled(self.key, region_id, time.monotonic() + timeout):
+            log.warning("nixl: writes to region %d of %s were still running %s s after it was "
+                        "deregistered; not acknowledging (the receiver fences this link)",
+                        region_id, self.peer, timeout)
+            return
+        with self.send_lock:  # a failure (PeerLostError) ends the reader, which severs the link
+            self.WIRE.CONTROL.send(self.sock, GoneAck(region_id))
 
     def drain(self, deadline: float) -> bool:
         """Every write of this dead link ended on its own (the progress thread polls them): True."""

@@ -7,8 +7,10 @@ connection per link (`transport.control`), in `transport.wire` frames of
 protocol `pdxfer-nixl`:
 
   sender → receiver: `Hello` once, `Refresh` (a region unknown to us was
-  named), `Bye` (we are closing: fence us; `quiet` once every write we posted on the link
-  ended — the proof a receiver that cannot fence waits for, #25.1);
+  named), `GoneAck` (answer to `Gone`: no write naming that region is queued
+  or in flight any more, and none will be posted), `Bye` (we are closing:
+  fence us; `quiet` once every write we posted on the link ended — the proof
+  a receiver that cannot fence waits for, #25.1);
   receiver → sender: `Welcome` (its NIXL agent's metadata and its regions),
   `Regions` (answer to `Refresh`), `Acks` (these transfers landed and their
   notify was delivered), `Gone` (a region was deregistered).
@@ -31,7 +33,9 @@ import numpy as np
 from ..control import Acks, Bye, Gone, Refresh
 from ..wire import LENGTH, Protocol
 
-VERSION = 3  # 2: region rows carry the CUDA device (-1: host); 3: Welcome.link, Bye.quiet (#25.1)
+# 2: region rows carry the CUDA device (-1: host); 3: Welcome.link, Bye.quiet (#25.1);
+# 4: GoneAck (#19: a receiver lets a deregistered region go once its senders answer `Gone`)
+VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,14 @@ class Regions:
 
 
 @dataclass(frozen=True)
+class GoneAck:
+    """The sender's answer to `Gone`: every write it posted naming `region` has ended, none will follow."""
+
+    TYPE: ClassVar[str] = "gone-ack"
+    region: int
+
+
+@dataclass(frozen=True)
 class Note:
     """The NIXL notification of one transfer: delivered by NIXL after its bytes."""
 
@@ -74,7 +86,7 @@ class Note:
 
 
 CONTROL = Protocol(
-    "pdxfer-nixl", VERSION, [Hello, Welcome, Refresh, Regions, Acks, Gone, Bye], max_frame=16 << 20
+    "pdxfer-nixl", VERSION, [Hello, Welcome, Refresh, Regions, Acks, Gone, GoneAck, Bye], max_frame=16 << 20
 )
 NOTES = Protocol("pdxfer-nixl-note", VERSION, [Note], max_frame=128 * 1024)
 

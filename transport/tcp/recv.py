@@ -204,18 +204,23 @@ class InboundStream(InboundLink):
                 elif isinstance(msg, StripeEnd):
                     self._stripe_end(msg)
                 elif isinstance(msg, RegionQuery):
-                    region = self._regions.get(msg.region)
-                    PROTOCOL.send(self.sock, RegionReply(
-                        query=msg.query, region=msg.region,
-                        length=region.length if region is not None else -1,
-                        device=region.device if region is not None else "",
-                    ))
+                    self._region_reply(msg)
                 else:
                     raise ProtocolError(f"unexpected {type(msg).TYPE} frame on a data stream")
         except BlockingIOError:
             raise
         except (OSError, ConnectionError) as exc:
             raise PeerLostError(f"{self.where}: {exc}") from exc
+
+    def _region_reply(self, msg: RegionQuery) -> None:
+        # Its own frame, not a local of the serving loop: a region looked up there would stay
+        # referenced until the next query, past its `deregister` (#19: nothing kept alive).
+        region = self._regions.get(msg.region)
+        PROTOCOL.send(self.sock, RegionReply(
+            query=msg.query, region=msg.region,
+            length=region.length if region is not None else -1,
+            device=region.device if region is not None else "",
+        ))
 
     def _segments(self, msg: Segments) -> None:
         if self._transfer is None:

@@ -9,6 +9,9 @@ cannot address.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import msgpack
 import numpy as np
 import pytest
@@ -216,6 +219,29 @@ def test_register_refuses_same_or_overlapping_memory(backend: Backend, kit_rigs:
     again = eng.register(buf[100:300])
     assert again.region_id != region.region_id and again.length == 800
     eng.deregister(again)
+
+
+def test_deregister_keeps_nothing_alive(backend: Backend, kit_rigs: RigPool) -> None:
+    # #19: once `deregister` returns, nothing of the engine — its links included — holds
+    # the tensor, so a caller who frees a pool after deregistering it gets the memory back
+    # while its links live. The region was announced to a live link and written into first
+    # (a receiver that keeps regions a link may still write to would keep this one).
+    # Watched through the numpy array under the tensor: its storage holds the array until
+    # the memory itself is freed (a weakref to the tensor object alone dies with the caller's
+    # handle even while a view of it keeps the bytes).
+    rig = kit_rigs.get(backend)
+    memory = np.full(1 << 16, CANARY, dtype=np.uint8)
+    region = rig.rx.register(torch.from_numpy(memory))
+    table = np.array([[0, 100, 5000]], np.int64)
+    rig.conn.write(rig.src_region, region.descriptor(), table, notify=b"pool").wait(WAIT)
+    rig.wait_note(b"pool")
+    assert_landed(rig.src, memory, table)
+    watch = weakref.ref(memory)
+    rig.rx.deregister(region)
+    del memory, region
+    gc.collect()
+    assert watch() is None, f"{backend.label}: the deregistered region's memory is still referenced"
+    assert_untouched_then_usable(rig)  # the link lives on, and still moves the rig's region
 
 
 @pytest.mark.parametrize("thing,match", [
