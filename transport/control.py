@@ -342,6 +342,10 @@ class ControlInbound(InboundLink):
         self._acks: list[int] = []  # acked seqs not framed yet (ack_nowait)
         self._unsent = b""  # the part of an ack frame the socket has not taken yet
         self._stuck_since = 0.0  # when the socket last refused to take any of it
+        # A `Gone` for a link identified but not welcomed yet waits for the `Welcome`: the
+        # sender's dial reads exactly one frame, the Welcome, and any other first frame fails it.
+        self._welcomed = False
+        self._early: list[Any] = []
 
     # -- backend hooks ------------------------------------------------------------
     def admit(self, hello: Any) -> Any:
@@ -385,6 +389,11 @@ class ControlInbound(InboundLink):
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                  struct.pack("ll", int(SEND_TIMEOUT), 0))
             self._send(welcome)
+            with self.send_lock:
+                self._welcomed = True
+                early, self._early = self._early, []
+            for msg in early:  # a deregistration that raced the handshake
+                self.send(msg)
             self.slot.admitted()
             while not self.dead:
                 msg = w.CONTROL.recv(self.sock)
@@ -433,9 +442,17 @@ class ControlInbound(InboundLink):
             self.send(Acks(np.asarray(seqs, dtype="<i8").tobytes()))
 
     def send(self, msg: Any) -> None:
-        """Best effort: a send that fails means the sender is gone, and the link is fenced."""
+        """Best effort: a send that fails means the sender is gone, and the link is fenced.
+
+        A `Gone` before the link's `Welcome` went out is held and sent right after it.
+        """
         if self.dead:
             return
+        if isinstance(msg, Gone):
+            with self.send_lock:
+                if not self._welcomed:
+                    self._early.append(msg)
+                    return
         try:
             self._send(msg)
         except (TransportError, OSError) as exc:

@@ -89,7 +89,13 @@ def test_an_ack_that_cannot_go_out_never_holds_up_other_links(two_senders) -> No
 
 
 class _Inbound(control.ControlInbound):
+    """A link past its handshake (its `Welcome` said), over a socket pair: no `run()`."""
+
     WIRE = verbs_wire
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self._welcomed = True  # else a `Gone` waits for the Welcome this link never sends
 
 
 class _Slot:
