@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import msgpack
@@ -416,3 +417,27 @@ def test_importing_ucxx_leaves_the_ucx_environment_as_it_was() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, cwd=HERE.parents[1])
     assert out.stdout.split()[0] == "True", out.stdout + out.stderr
+
+
+def test_an_owned_ucx_object_dies_on_the_ucx_thread_whoever_drops_it_last() -> None:
+    # What `Progress.own` is for: a worker or endpoint dropped (or collected) on another
+    # thread must not run its UCX destructor there while the UCX thread drives the context.
+    from pdxfer.transport.ucx.progress import Progress
+
+    progress = Progress("own-test")
+    try:
+        died_on: list[str] = []
+        done = threading.Event()
+
+        class Thing:  # stands in for a UCXX object: a finalizer says where it died
+            pass
+
+        box = [Thing()]
+        weakref.finalize(box[0], lambda: (died_on.append(threading.current_thread().name), done.set()))
+        progress.ask(lambda: progress.own(box[0]) and None, WAIT, "owning")
+        box.clear()  # the last reference but the UCX thread's, dropped on this thread
+        progress.kick()
+        assert done.wait(WAIT), "the owned object never died"
+        assert died_on == ["own-test-progress"]
+    finally:
+        progress.stop()

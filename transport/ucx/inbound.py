@@ -128,7 +128,7 @@ class UcxInbound(ControlInbound):
         self.worker = lib.worker(self.host.context)
         self.host.progress.adopt(self.worker)
         try:
-            self.ep = lib.endpoint(self.worker, sender)
+            self.ep = self.host.progress.own(lib.endpoint(self.worker, sender))
         except PeerLostError as exc:  # the address, not the peer, is what failed: say so to it
             raise ProtocolError(f"no UCX endpoint to the worker address in the hello: {exc}") from exc
         return lib.worker_address(self.worker)

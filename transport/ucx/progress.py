@@ -23,6 +23,17 @@ stops at the first unfinished one, so a pass costs one check per batch.
 `retire(worker)` is the fence's core: after it, this thread never progresses
 that worker again — so nothing lands through it — and its batches are
 dropped without their callbacks (their link is gone).
+
+Destruction on this thread too (`own`): a UCXX worker or endpoint is torn
+down by its destructor (`ucp_ep_close`, `ucp_worker_destroy`), and a
+Python object dies where its last reference goes — for a link in a
+reference cycle, on whatever thread the cyclic collector happens to run,
+while this one may be inside `progress()` on a worker of the same context.
+So this thread keeps a reference to every worker and endpoint it makes and
+lets one go (`_reap`, when idle and as it ends) only once that reference is
+the last. Two full-suite runs here died in UCX (`worker.progress()`,
+`close_blocking()`) under load before this; deletion condition: none while
+any other thread can drop a UCXX object.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import collections
 import logging
 import os
 import select
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -80,6 +92,7 @@ class Progress:
         self._queue: collections.deque[Callable[[], None]] = collections.deque()
         self._workers: dict[int, Any] = {}  # id(worker) -> worker, progressed every pass
         self._batches: list[Batch] = []
+        self._owned: list[Any] = []  # every worker and endpoint made: destroyed here (`own`)
         self._poll = select.poll()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -144,8 +157,18 @@ class Progress:
         return self._thread.is_alive()
 
     # -- thread-side API (called from `call`ed functions) ----------------------------------
+    def own(self, obj: Any) -> Any:
+        """Keep UCXX object `obj` (a worker or an endpoint) until only we hold it; returns it.
+
+        Its destructor then runs on this thread (`_reap`), never on one that
+        dropped the last other reference while we drive its context.
+        """
+        self._owned.append(obj)
+        return obj
+
     def adopt(self, worker: Any) -> None:
-        """Progress `worker` from now on."""
+        """Progress `worker` from now on (and own it)."""
+        self.own(worker)
         self._workers[id(worker)] = worker
         self._poll.register(worker.epoll_file_descriptor, select.POLLIN)
 
@@ -178,12 +201,16 @@ class Progress:
                 with self._lock:
                     self._closed = True
                 self._run_calls()  # what was queued before `call` could refuse; no progress after
+                self._workers.clear()
+                self._batches.clear()
+                self._reap()  # what is still held elsewhere dies later, with this thread gone
                 return
             for worker in list(self._workers.values()):
                 worker.progress()
             self._complete()
             if ran or self._queue:
                 continue
+            self._reap()
             if all(worker.arm() for worker in list(self._workers.values())):
                 self._poll.poll(IDLE_POLL_MS)
                 self._drain_wake()
@@ -216,6 +243,12 @@ class Progress:
                 batch.done(error)
             except Exception:
                 log.exception("%s: a completion callback failed", self._name)
+
+    def _reap(self) -> None:
+        """Let go of the owned objects no one else holds: their destructors run here, now."""
+        if self._owned:
+            # 3 = the list's slot, the comprehension's name, getrefcount's argument
+            self._owned = [obj for obj in self._owned if sys.getrefcount(obj) > 3]
 
     def _drain_wake(self) -> None:
         try:

@@ -161,7 +161,7 @@ class UcxLink(ControlledLink):
         if self.error is not None:
             return
         try:
-            self._ep = lib.endpoint(self._worker, self.welcome.worker)
+            self._ep = self._progress.own(lib.endpoint(self._worker, self.welcome.worker))
         except TransportError as exc:
             self.sever(exc)
 
