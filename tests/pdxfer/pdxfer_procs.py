@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -105,3 +106,25 @@ class Decode(Proc):
 
     def wait(self, rid: str) -> str:
         return self.ask(f"wait {rid}")
+
+
+def warm_up(decode, prefill: Prefill, dst: Callable[[int], int], src: int, wait: float) -> None:
+    """Bring `decode`'s links to the `prefill` process up with one small transfer that succeeds.
+
+    The decode's request wait also bounds its first handshake, which a loaded
+    machine can outlast: a later try reuses the link (up to 10 tries).
+    `dst(attempt)`: the destination kv entry of try `attempt` (a failed try may
+    still hold its own); `src`: the prefill's source entry.
+    """
+    from pdxfer import KVPoll, RequestFailed
+
+    for attempt in range(10):
+        rid = f"warm{attempt}"
+        decode.expect(rid, prefill.address, {"kv": [dst(attempt)]})
+        prefill.send(rid, [src], [])
+        try:
+            if decode.wait(rid, wait) is KVPoll.Success:
+                return
+        except RequestFailed:
+            continue
+    raise AssertionError("no warm-up request succeeded in 10 tries")

@@ -53,7 +53,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from pdxfer_procs import Prefill
+from pdxfer_procs import Prefill, warm_up
 from pdxfer_testkit import BIG_KV_FIELDS, build_pools, config, until
 
 from pdxfer import DecodeEngine, KVPoll, PrefillEngine, RequestFailed, layout, transport
@@ -300,16 +300,7 @@ def test_a_prefill_stopped_past_the_request_wait_lands_nothing_after_failed(monk
                       "--fence", "off")
     hold = None
     try:
-        for attempt in range(10):  # a first handshake may outlast the request wait under load
-            decode.expect(f"warm{attempt}", prefill.address, {"kv": [ENTRIES - 1]})
-            prefill.send(f"warm{attempt}", [0], [])
-            try:
-                if decode.wait(f"warm{attempt}", WAIT) is KVPoll.Success:
-                    break
-            except RequestFailed:
-                continue
-        else:
-            raise AssertionError("no warm-up request succeeded in 10 tries")
+        warm_up(decode, prefill, lambda attempt: ENTRIES - 1, 0, WAIT)
         senders = {lk.sender for lk in decode._transport.inbound.links()}
         assert len(senders) == 1, senders
         engine = senders.pop()

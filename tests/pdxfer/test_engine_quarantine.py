@@ -23,7 +23,7 @@ import threading
 
 import pytest
 import torch
-from pdxfer_procs import Prefill
+from pdxfer_procs import Prefill, warm_up
 from pdxfer_testkit import BIG_KV_FIELDS, build_pools, config, until
 
 from pdxfer import DecodeEngine, KVPoll, PrefillEngine, RequestFailed, transport
@@ -279,18 +279,7 @@ def orphan():
     ticks = TickCounter(decode)
     prefill = Prefill("tcp", timeout=1.0)  # heartbeats keep its link alive until the freeze
     try:
-        # The data connection is up before the freeze. The 0.4 s request wait also bounds the
-        # first handshake, which a loaded machine can outlast: a later try reuses the link.
-        for attempt in range(10):
-            decode.expect(f"warm{attempt}", prefill.address, {"kv": [20 + attempt]})  # a failed try may hold its entry
-            prefill.send(f"warm{attempt}", [7], [])
-            try:
-                if decode.wait(f"warm{attempt}", WAIT) is KVPoll.Success:
-                    break
-            except RequestFailed:
-                continue
-        else:
-            raise AssertionError("no warm-up request succeeded in 10 tries")
+        warm_up(decode, prefill, lambda attempt: 20 + attempt, 7, WAIT)  # up before the freeze
         decode.expect("k", prefill.address, {"kv": [10, 11], "state": [1]})
         prefill.freeze()  # alive, silent, holding its data connection: it may still write
         until(lambda: "data connections closed" in (decode.outcome("k").reason or "")
