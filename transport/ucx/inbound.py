@@ -271,7 +271,7 @@ class UcxInbound(ControlInbound):
             return
         if ep is not None:
             try:  # cancels its unmatched receives; a force close (peer error handling): bounded
-                ep.close_blocking()
+                lib.close_endpoint(ep)
             except Exception as exc:
                 log.debug("ucx: closing the endpoint of the link from %s: %s", self.sender, exc)
         stuck = self.host.progress.retire(w)

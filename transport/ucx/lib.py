@@ -18,7 +18,13 @@ Measured traps of UCXX's Python API that shape the backend (0.52):
   record holds that region until the request completes.
 * `Endpoint.close()` (the request form) on an endpoint whose peer died,
   then progress: segfault. Only `close_blocking()` is used, and only with
-  peer error handling on, where it is a bounded force-close.
+  peer error handling on, where it is a bounded force-close — and only on
+  an endpoint still `alive` (`close_endpoint`): three full-suite runs here
+  segfaulted inside `close_blocking()` or the next `progress()` after a
+  link died mid-handshake, the double-close class of UCXX bug
+  (rapidsai/ucxx#184). An endpoint UCX already failed was closed by its
+  error handling; dropping it (on the UCX thread: `Progress.own`) is all
+  that is left.
 * no per-request cancel. Closing an endpoint cancels the receives posted on
   it that are not yet matched (UCX's `ucp_request_cancel`);
   `Worker.cancel_inflight_requests()` cancels only what UCXX scheduled after
@@ -148,6 +154,15 @@ class CudaSpan:
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,),
                                          "typestr": "|u1", "version": 3, "strides": None}
+
+
+def close_endpoint(ep: Any) -> None:
+    """Force-close `ep` (progress thread) unless UCX's error handling already closed it (above).
+
+    Cancels its unmatched receives and fails its sends still in flight.
+    """
+    if ep.alive:
+        ep.close_blocking()
 
 
 def buffer(region: Any, offset: int, nbytes: int) -> Any:

@@ -189,7 +189,7 @@ class UcxLink(ControlledLink):
         ep, self._ep = self._ep, None
         if ep is not None:
             try:
-                ep.close_blocking()  # force (peer error handling): fails the sends still in flight
+                lib.close_endpoint(ep)  # fails the sends still in flight
             except Exception as exc:
                 log.debug("ucx: closing the endpoint to %s: %s", self.what, exc)
 
