@@ -65,7 +65,7 @@ from .protocol import (
     decode_notify,
 )
 from .requests import check_request_id
-from .session import Link, parse_address
+from .session import ControlConn, parse_address
 
 log = logging.getLogger("pdxfer")
 
@@ -147,15 +147,16 @@ class DecodeEngine(Dials, Engine):
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Give up on a request: the prefill hears at once; Failed once no byte can land."""
         rid = check_request_id(request_id)
-        with self._lock:
+        with self._transition():
             req = self._table.get(rid)
             self._apply(req, req.life.on_abort(f"aborted by decode: {reason}", time.monotonic()))
-        self._progress.kick()
 
-    # -- effects (lock held) ---------------------------------------------------------------
-    def _apply(self, req: DecodeRequest, effects: list) -> bool:
-        """Carry out a transition's effects; True if the request waits for a fence (run it unlocked)."""
-        fence = False
+    # -- effects (inside `_transition()`) ------------------------------------------------
+    def _apply(self, req: DecodeRequest, effects: list) -> None:
+        """A transition's effects: the table's now; a message or a fence once the lock is released.
+
+        Fences of one prefill queued by one transition run as one `drop_peer`.
+        """
         for eff in effects:
             if isinstance(eff, Finish):
                 self._table.finish(req, eff.ok, eff.reason, eff.error)
@@ -163,17 +164,13 @@ class DecodeEngine(Dials, Engine):
                     req.session.requests.discard(req.id)
             elif isinstance(eff, Send):
                 if req.session is not None and req.session.link is not None:
-                    if self._progress.on_thread:
-                        req.session.link.send(eff.msg)
-                    else:  # off the loop: the caller kicks it once unlocked
-                        self._progress.post(req.session.link.send, eff.msg)
+                    self._defer(req.session.link.send, eff.msg)
             elif isinstance(eff, Fence):
-                fence = True
+                self._defer_batch(self._fence, req.session, req)
             elif isinstance(eff, Quarantine):
                 log.warning("pdxfer decode: request %r quarantined: %s", req.id, eff.reason)
                 self._table.quarantine(req, eff.reason, eff.error)
         self._table.advance(req, req.life.poll)
-        return fence
 
     def _after_resize(self, names: tuple[str, str]) -> None:
         """Tell every prefill the new live ranges, queued ahead of any later Expect (lock held)."""
@@ -189,15 +186,15 @@ class DecodeEngine(Dials, Engine):
         with self._lock:
             return [r.id for r in self._table.running() if r.state is KVPoll.Quarantined]
 
-    def _fence(self, session: PrefillPeer, reqs: list[DecodeRequest]) -> None:
+    def _fence(self, session: PrefillPeer | None, reqs: list[DecodeRequest]) -> None:
         """drop_peer the prefill, tell it, then finish `reqs`: no byte of theirs lands after. No lock."""
         if not reqs:
             return
-        if session.engine is not None:
+        if session is not None and session.engine is not None:
             self._transport.drop_peer(session.engine)
             if session.link is not None:
                 session.link.send(Fenced())  # before any later Expect on this link
-        with self._lock:
+        with self._transition():
             for req in reqs:
                 self._apply(req, req.life.on_fenced())
 
@@ -215,7 +212,7 @@ class DecodeEngine(Dials, Engine):
                 return  # failed, re-resolved elsewhere, or waiting for the old link's cut
         if session is None:  # dialled once this request is bound (decode_dials)
             session = self._dial(req.peer, req.record.engine)
-        with self._lock:
+        with self._transition():
             req.session = session
             session.requests.add(req.id)
             if session.ready:
@@ -254,7 +251,7 @@ class DecodeEngine(Dials, Engine):
         if not msgs:
             return
         now = time.monotonic()
-        with self._lock:
+        with self._transition():
             for sender, msg in msgs:
                 req = self._table.find(msg.request)
                 if (not isinstance(req, DecodeRequest) or req.life.xid != msg.xid
@@ -267,7 +264,7 @@ class DecodeEngine(Dials, Engine):
                 self._apply(req, req.life.on_landed(msg.chunk, msg.part, msg.parts, msg.last, now))
 
     # -- control messages (progress thread) -----------------------------------------
-    def _on_message(self, link: Link, msg: Any) -> None:
+    def _on_message(self, link: ControlConn, msg: Any) -> None:
         session: PrefillPeer = link.owner
         if isinstance(msg, Ping):
             return
@@ -289,15 +286,13 @@ class DecodeEngine(Dials, Engine):
             links = check_links(msg.links, f"{type(msg).TYPE} of request {msg.request!r:.80}")
         except ProtocolError as exc:
             return link.refuse(str(exc))
-        with self._lock:
+        with self._transition():
             req = self._table.find(msg.request)
             if not isinstance(req, DecodeRequest) or req.life.xid != msg.xid or req.session is not session:
                 return
             life = req.life
-            fence = self._apply(req, life.on_abort_ack(msg.clean, links) if isinstance(msg, AbortAck)
-                                else life.on_peer_abort(msg.reason, msg.fence, links))
-        if fence:
-            self._fence(session, [req])
+            self._apply(req, life.on_abort_ack(msg.clean, links) if isinstance(msg, AbortAck)
+                        else life.on_peer_abort(msg.reason, msg.fence, links))
 
     def _on_welcome(self, session: PrefillPeer, msg: Welcome) -> None:
         assert session.link is not None
@@ -321,7 +316,7 @@ class DecodeEngine(Dials, Engine):
         self._reached(session.addr)
         session.link.label = f"prefill {msg.engine} at {session.addr}"
         now = time.monotonic()
-        with self._lock:
+        with self._transition():
             for req in session.waiting:
                 try:  # one request's failure to go out must not stop the others' Expects
                     self._apply(req, req.life.on_link_ready(now))
@@ -386,7 +381,7 @@ class DecodeEngine(Dials, Engine):
     def _fail_unbound(self, req: DecodeRequest, session: PrefillPeer, why: str,
                       error: BaseException | None = None) -> None:
         """Fail a request no Expect was sent for (nothing can land): at once, no fence."""
-        with self._lock:
+        with self._transition():
             self._apply(req, req.life.on_link_lost(why, error or PeerLostError(why)))
         session.requests.discard(req.id)
 
@@ -416,7 +411,7 @@ class DecodeEngine(Dials, Engine):
         session.link.close(why)
         self._link_lost(session.link, why)
 
-    def _link_lost(self, link: Link, reason: str) -> None:
+    def _link_lost(self, link: ControlConn, reason: str) -> None:
         session: PrefillPeer = link.owner
         if self._closed:
             return  # close() fails the requests itself, after the transport is down
@@ -429,28 +424,26 @@ class DecodeEngine(Dials, Engine):
         if session.ready:
             self._lost(session.addr)
         reason, error = why_lost(session.addr, session.refusal, reason, reached=session.ready)
-        with self._lock:
+        with self._transition():  # fences run as it ends, one drop_peer for the session
             reqs = session.waiting + [r for rid in session.requests
                                       if isinstance(r := self._table.find(rid), DecodeRequest)
                                       and r.session is session]
             session.waiting.clear()
-            fence = [r for r in reqs if self._apply(r, r.life.on_link_lost(reason, error))]
+            for r in reqs:
+                self._apply(r, r.life.on_link_lost(reason, error))
             orphaned = any(r.life.phase is DPhase.ORPHANED for r in reqs)
         if orphaned and session.engine is not None:
             # Until its links settle: a prefill that has not noticed the loss could reconnect
             # and post a chunk of an orphan it still had queued, after settled() said True.
             self._transport.refuse_new_links(session.engine)
-        self._fence(session, fence)
 
     # -- timers (progress thread) ----------------------------------------------------
     def _tick(self, now: float) -> float:
         cfg = self.config
         close, wake = self._tick_dials(now)  # first: a request never connected says so, not "timed out"
-        fences: dict[int, tuple[PrefillPeer, list[DecodeRequest]]] = {}
-        with self._lock:
+        with self._transition():  # the fences it asks for run as it ends, one per prefill
             for req in self._table.running():
-                if self._apply(req, req.life.on_tick(now)) and req.session is not None:
-                    fences.setdefault(id(req.session), (req.session, []))[1].append(req)
+                self._apply(req, req.life.on_tick(now))
             aborting = any(r.life.phase is DPhase.ABORTING for r in self._table.running())
             orphans = [(r, r.session.engine) for r in self._table.running()
                        if r.life.phase is DPhase.ORPHANED and r.session is not None]
@@ -462,7 +455,7 @@ class DecodeEngine(Dials, Engine):
         quiet = [r for r, engine, links in settling
                  if engine is not None and all(settled(engine, name or None) for name in links)]
         if gone or quiet:
-            with self._lock:
+            with self._transition():
                 for req in gone:
                     self._apply(req, req.life.on_peer_gone())
                 for req in quiet:
@@ -477,8 +470,6 @@ class DecodeEngine(Dials, Engine):
         close += self._watch([s.link for s in self._sessions.values() if s.link is not None], now,
                              lambda link: not link.connecting)
         self._close_links(close)
-        for session, reqs in fences.values():
-            self._fence(session, reqs)
         return 0.005 if aborting or settling else min(0.1, cfg.heartbeat / 2, wake)
 
     # -- close ----------------------------------------------------------------
@@ -489,12 +480,13 @@ class DecodeEngine(Dials, Engine):
         self._lookups.close(self.config.shutdown_wait)
 
     def _shutdown_on_thread(self) -> None:
-        with self._lock:
+        with self._transition():
             for req in self._table.running():
                 session = req.session
                 if (req.life.phase in (DPhase.EXPECTED, DPhase.RECEIVING, DPhase.ABORTING)
                         and session is not None and session.link is not None):
-                    session.link.send(Abort(req.id, req.life.xid, "decode engine closed", False))
+                    self._defer(session.link.send,
+                                Abort(req.id, req.life.xid, "decode engine closed", False))
         for session in list(self._sessions.values()):
             if session.link is not None:
                 session.link.close("decode engine closed")

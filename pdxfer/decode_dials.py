@@ -46,7 +46,7 @@ from .handshake import why_lost
 from .inbound import DecodeRequest, PrefillPeer
 from .protocol import Abort, Hello
 from .resolver import Addrs, Lookups, numeric
-from .session import Link, parse_address
+from .session import ControlConn, parse_address
 
 log = logging.getLogger("pdxfer")
 
@@ -119,9 +119,9 @@ class Dials:
     def _dial_to(self, session: PrefillPeer, addrs: Addrs) -> None:
         family, sockaddr = addrs[session.attempts % len(addrs)]  # each retry, the next address
         try:
-            link = Link.dial(family, sockaddr, self._progress, f"prefill at {session.addr}",
+            link = ControlConn.dial(family, sockaddr, self._progress, f"prefill at {session.addr}",
                              self._on_message,
-                             lambda lk, why: self._progress.call(self._link_lost, lk, why))
+                             self._link_lost)
         except OSError as exc:
             return self._not_reached(session, f"cannot connect to prefill at {session.addr}: {exc}")
         link.owner, session.link = session, link
@@ -154,12 +154,12 @@ class Dials:
                   f"{when}")
         error = PeerLostError(reason)
         gone = {id(r) for r in reqs}
-        with self._lock:
+        with self._transition():  # fences, if any, run as it ends
             session.waiting = [r for r in session.waiting if id(r) not in gone]
-            fence = [r for r in reqs if self._apply(r, r.life.on_link_lost(reason, error))]
-        self._fence(session, fence)
+            for r in reqs:
+                self._apply(r, r.life.on_link_lost(reason, error))
 
-    def _tick_dials(self, now: float) -> tuple[list[tuple[Link, str]], float]:
+    def _tick_dials(self, now: float) -> tuple[list[tuple[ControlConn, str]], float]:
         """Redial, give up, and fail requests that waited out their wait unreached.
 
         Runs before the requests' own timers, so a request whose wait ends

@@ -59,6 +59,9 @@ class Engine:
                    **config.transport_options}
         self._transport = transport.create(config.transport, **options)
         self._closed = False
+        # What the transition holding the lock deferred (`_transition`); None when none does.
+        self._outbox: list | None = None
+        self._batches: dict[int, list] = {}
         self._resizing = threading.Lock()  # one boundary move at a time
         try:
             self._pools = PoolSet(pools, self._transport)
@@ -68,6 +71,48 @@ class Engine:
         except BaseException:
             self._transport.close()
             raise
+
+    # -- transitions: state under the lock, effects after it --------------------------
+    def _transition(self) -> _Transition:
+        """`with self._transition():` — the one way drivers change request state.
+
+        Holds the table lock for the state machines' transitions and the
+        table's bookkeeping; what those ask to be done outside (a control
+        message, a fence) is queued with `_defer` and carried out once the
+        lock is released, in the order queued: on the progress thread at once
+        when this is it, else handed to it (#29.1). Nothing a handler of the
+        loop does can then run while a transition holds the lock.
+        """
+        return _Transition(self)
+
+    def _defer(self, fn: Any, *args: Any) -> None:
+        """Queue `fn(*args)` to run once the current transition released the lock (lock held)."""
+        if self._outbox is None:
+            raise RuntimeError("an effect was queued outside `_transition()`: it would run under "
+                               "no rule (a driver bug)")
+        self._outbox.append((fn, args))
+
+    def _defer_batch(self, fn: Any, key: Any, item: Any) -> None:
+        """Like `_defer`, but one `fn(key, [items])` per `key`, where its first item was queued."""
+        if self._outbox is None:
+            raise RuntimeError("an effect was queued outside `_transition()` (a driver bug)")
+        batch = self._batches.get(id(key))
+        if batch is None:
+            batch = self._batches[id(key)] = [item]
+            self._outbox.append((fn, (key, batch)))
+        else:
+            batch.append(item)
+
+    def _carry_out(self, effects: list) -> None:
+        """Run what a transition deferred; the lock is not held here."""
+        on_thread = self._progress.on_thread
+        for fn, args in effects:
+            if on_thread:
+                fn(*args)
+            else:
+                self._progress.post(fn, *args)
+        if effects and not on_thread:
+            self._progress.kick()
 
     # -- identity -----------------------------------------------------------
     @property
@@ -254,7 +299,7 @@ class Engine:
         """Ping idle links; return the ones to close: silent, or not reading for the liveness timeout.
 
         Progress thread. A link whose peer stopped reading has stopped reading
-        that peer's input too (backpressure, `session.Link`), so both show up
+        that peer's input too (backpressure, `session.ControlConn`), so both show up
         here within `timeout`.
         """
         cfg, out = self.config, []
@@ -277,18 +322,44 @@ class Engine:
                 link.send(Ping())
         return out
 
-    def _run_on_progress(self, fn: Any, timeout: float) -> None:
-        """Run `fn()` on the progress thread and wait (bounded) for it to finish."""
+    def _run_on_progress(self, fn: Any, timeout: float) -> bool:
+        """Run `fn()` on the progress thread and wait up to `timeout` s for it; True if it ran.
+
+        False when the loop did not get to it in time (stuck in a handler, or
+        a backlog of commands): then it is logged and cancelled — a job that
+        starts after its caller gave up on it would race what the caller does
+        next (close() releasing the transport under it). A job already
+        running when the time is up cannot be stopped; that is logged too.
+        On the progress thread itself it runs inline: waiting would wait for
+        itself for the whole timeout.
+        """
+        if self._progress.on_thread:
+            fn()
+            return True
         done = threading.Event()
+        guard = threading.Lock()
+        state = {"started": False, "cancelled": False}
 
         def job() -> None:
+            with guard:
+                if state["cancelled"]:
+                    return
+                state["started"] = True
             try:
                 fn()
             finally:
                 done.set()
 
         self._progress.call(job)
-        done.wait(timeout)
+        if done.wait(timeout):
+            return True
+        with guard:
+            started = state["started"]
+            state["cancelled"] = not started
+        log.warning("pdxfer %s: %s %s within %.1f s on the progress thread; %s", self.role,
+                    getattr(fn, "__name__", fn), "did not finish" if started else "did not start",
+                    timeout, "going on without it" if started else "cancelled")
+        return False
 
     def __enter__(self) -> Engine:
         return self
@@ -296,3 +367,26 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+class _Transition:
+    """The context `Engine._transition()` returns: lock, collect, release, carry out."""
+
+    __slots__ = ("engine", "effects")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.effects: list = []
+
+    def __enter__(self) -> list:
+        engine = self.engine
+        engine._lock.acquire()
+        engine._outbox, engine._batches = self.effects, {}
+        return self.effects
+
+    def __exit__(self, *exc: object) -> None:
+        engine = self.engine
+        engine._outbox, engine._batches = None, {}
+        engine._lock.release()
+        # Even when the body raised: what it applied to the state already happened.
+        engine._carry_out(self.effects)

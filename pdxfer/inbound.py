@@ -24,7 +24,7 @@ from .lifecycle import DecodeLife
 from .pools import PoolSet
 from .protocol import MAX_FRAME, Expect, pack_indices
 from .requests import Request
-from .session import Link
+from .session import ControlConn
 
 # An Expect carries 8 B per index in one control frame; keep well inside its limit.
 MAX_INDICES = (MAX_FRAME - (64 << 10)) // 8
@@ -71,7 +71,7 @@ class PrefillPeer:
         self.resolving = False
         self.why_not: str | None = None
         self.retry = retry
-        self.link: Link | None = None
+        self.link: ControlConn | None = None
         self.engine: str | None = None  # the prefill's transport engine id, from Welcome
         self.expected = expected  # the engine id the dialing request's record named (None: any)
         self.ready = False

@@ -28,7 +28,7 @@ from .lifecycle import PrefillLife
 from .pools import PoolSet, Route
 from .protocol import MAX_LINKS, landed_payload
 from .requests import Request
-from .session import Link
+from .session import ControlConn
 
 _EMPTY = np.empty((0, 3), dtype=np.int64)
 
@@ -78,7 +78,7 @@ class DecodePeer:
     __slots__ = ("address", "conn", "empty", "engine", "epoch", "link", "opening", "requests",
                  "routes", "warm", "welcomed")
 
-    def __init__(self, link: Link, engine: str, address: dict, routes: dict[str, Route]) -> None:
+    def __init__(self, link: ControlConn, engine: str, address: dict, routes: dict[str, Route]) -> None:
         self.link, self.engine, self.address, self.routes = link, engine, address, routes
         self.conn: Any = None
         self.epoch = 0

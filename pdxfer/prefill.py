@@ -59,7 +59,7 @@ from .protocol import (
 )
 from .requests import RequestOutcome, check_request_id
 from .resizing import apply_live_range
-from .session import Link, format_address, listen
+from .session import ControlConn, format_address, listen
 
 
 class PrefillEngine(DecodePeers, Engine):
@@ -69,7 +69,7 @@ class PrefillEngine(DecodePeers, Engine):
 
     def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None) -> None:
         self._sessions: dict[str, DecodePeer] = {}
-        self._links: set[Link] = set()
+        self._links: set[ControlConn] = set()
         self._listener: socket.socket | None = None
         super().__init__(pools, config)
         cfg = self.config
@@ -103,7 +103,7 @@ class PrefillEngine(DecodePeers, Engine):
         chunk = Chunk(chunk_indices(self._pools, rid, indices), bool(last), bool(checkpoint),
                       self._pools.readiness(ready))
         now = time.monotonic()
-        with self._lock:
+        with self._transition():
             self._check_open()
             req = self._table.find(rid)
             checked = False
@@ -138,14 +138,18 @@ class PrefillEngine(DecodePeers, Engine):
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Give up on a request; the decode hears of it at once. Non-blocking."""
         rid = check_request_id(request_id)
-        with self._lock:
+        with self._transition():
             req = self._table.get(rid)
             self._apply(req, req.life.on_abort(f"aborted by prefill: {reason}", time.monotonic(),
                                                bool(unfinished(req.handles))))
 
-    # -- effects (lock held) -------------------------------------------------------------
+    # -- effects (inside `_transition()`) ----------------------------------------------
     def _apply(self, req: PrefillRequest, effects: list, via: DecodePeer | None = None) -> None:
-        """Carry out a transition's effects in order, then mirror the state into the table."""
+        """Carry out a transition's effects in order, then mirror the state into the table.
+
+        Local work now (the table, planning and posting on a warm connection,
+        a cut handed to a worker); a control message once the lock is released.
+        """
         for eff in effects:
             if isinstance(eff, Finish):
                 self._table.finish(req, eff.ok, eff.reason, eff.error)
@@ -159,20 +163,15 @@ class PrefillEngine(DecodePeers, Engine):
                 if isinstance(msg, (Abort, AbortAck)) and req.links:
                     # the decode must see these settle before it frees the entries (#25.1)
                     msg = dataclasses.replace(msg, links=closed_links(req))
-                self._send(via or req.session, msg)
+                session = via or req.session
+                if session is not None:  # once the lock is released, on the progress thread
+                    self._defer(session.link.send, msg)
             elif isinstance(eff, Cut):
                 self._cut(req.session, f"transfers to decode still running {self.config.grace} s "
                           "after the request failed; cut them", fenced=False)
             else:
                 self._post(req, eff.chunk)
         self._table.advance(req, req.life.poll)
-
-    def _send(self, session: DecodePeer | None, msg: Any) -> None:
-        if session is not None:
-            if self._progress.on_thread:
-                session.link.send(msg)
-            else:
-                self._progress.call(session.link.send, msg)
 
     def _post(self, req: PrefillRequest, chunk: Chunk) -> None:
         session = req.session
@@ -186,7 +185,7 @@ class PrefillEngine(DecodePeers, Engine):
             self._apply(req, req.life.on_post_failed(f"{where}{exc}", exc, now, bool(unfinished(req.handles))))
 
     # -- control links (progress thread) ---------------------------------------------
-    def _on_message(self, link: Link, msg: Any) -> None:
+    def _on_message(self, link: ControlConn, msg: Any) -> None:
         session = link.owner
         if session is None:
             if isinstance(msg, Hello):
@@ -202,19 +201,19 @@ class PrefillEngine(DecodePeers, Engine):
             return self._on_expect(session, msg)
         if isinstance(msg, LiveRange):  # the decode moved a pool boundary (resizing)
             try:
-                with self._lock:
+                with self._transition():
                     return apply_live_range(session.routes, msg)
             except ProtocolError as exc:
                 return link.refuse(str(exc))
         if isinstance(msg, Fenced):
-            with self._lock:
+            with self._transition():
                 return self._cut(session, f"decode {session.engine} fenced this prefill", fenced=True)
         if not isinstance(msg, (Done, Abort)):
             if not isinstance(msg, Ping):
                 link.refuse(f"a prefill does not accept {type(msg).TYPE!r} messages")
             return
         now = time.monotonic()
-        with self._lock:
+        with self._transition():
             req = self._table.find(msg.request)
             if isinstance(msg, Abort) and req is None:  # nothing here yet: remember why
                 self._table.tombstones.add(msg.request, RequestOutcome(
@@ -229,7 +228,7 @@ class PrefillEngine(DecodePeers, Engine):
                 self._apply(req, req.life.on_peer_abort(msg.reason, now, bool(unfinished(req.handles))),
                             via=session)
             elif session is not None:
-                session.link.send(AbortAck(msg.request, msg.xid, True))
+                self._defer(session.link.send, AbortAck(msg.request, msg.xid, True))
 
     def _on_expect(self, session: DecodePeer, msg: Expect) -> None:
         rid, xid = msg.request, msg.xid
@@ -241,10 +240,10 @@ class PrefillEngine(DecodePeers, Engine):
             return session.link.refuse(str(exc))
         unknown = sorted(p for p in dst if p not in self._pools.arenas)
         now = time.monotonic()
-        with self._lock:
+        with self._transition():
             if unknown or self._closed:
                 why = f"prefill has no pool(s) {unknown}" if unknown else "prefill engine closing"
-                return session.link.send(Abort(rid, xid, why, False))
+                return self._defer(session.link.send, Abort(rid, xid, why, False))
             self._table.tombstones.pop(rid)  # a new use of the id
             req = self._table.find(rid)
             if req is None:
@@ -264,7 +263,7 @@ class PrefillEngine(DecodePeers, Engine):
     def _tick(self, now: float) -> float:
         cfg = self.config
         failing = False
-        with self._lock:
+        with self._transition():
             for req in self._table.running():
                 err = transfer_error(req)
                 if err is not None:
@@ -272,6 +271,6 @@ class PrefillEngine(DecodePeers, Engine):
                                                                  err, now))
                 self._apply(req, req.life.on_tick(now, bool(unfinished(req.handles))))
                 failing = failing or req.life.failing is not None
-            silent = self._watch(self._links, now, lambda link: isinstance(link.owner, DecodePeer))
+        silent = self._watch(self._links, now, lambda link: isinstance(link.owner, DecodePeer))
         self._close_links(silent)
         return 0.005 if failing else min(0.1, cfg.heartbeat / 2)

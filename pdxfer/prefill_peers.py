@@ -25,7 +25,7 @@ from .errors import ClosedError
 from .handshake import Refusal, hello_routes
 from .outbound import DecodePeer, PrefillRequest, unfinished
 from .protocol import Hello, Refuse, Welcome
-from .session import MAX_PENDING, Link, format_address
+from .session import MAX_PENDING, ControlConn, format_address
 
 log = logging.getLogger("pdxfer")
 
@@ -36,7 +36,7 @@ class DecodePeers:
     _lock: Any
     _table: Any
     _sessions: dict[str, DecodePeer]
-    _links: set[Link]
+    _links: set[ControlConn]
     _data: Any
     _progress: Any
     _pools: Any
@@ -76,7 +76,7 @@ class DecodePeers:
 
     def _after_cut(self, session: DecodePeer, epoch: int, affected: list, locked: bool = False) -> None:
         if not locked:
-            with self._lock:
+            with self._transition():
                 return self._after_cut(session, epoch, affected, True)
         for req in affected:
             self._apply(req, req.life.on_cut_done(bool(unfinished(req.handles))))
@@ -84,13 +84,14 @@ class DecodePeers:
             self._data.open(session, epoch)
 
     def _on_data_ready(self, session: DecodePeer, epoch: int, conn: Any) -> None:
-        with self._lock:
+        with self._transition():
             if epoch != session.epoch or session.link.closed or self._closed:
                 return
             session.conn, session.opening = conn, False
             if not session.welcomed:
                 session.welcomed = True
-                session.link.send(Welcome(self.engine_id, self._pools.descs, self._pools.fingerprints))
+                self._defer(session.link.send,
+                            Welcome(self.engine_id, self._pools.descs, self._pools.fingerprints))
             now = time.monotonic()
             for rid in list(session.requests):
                 req = self._table.find(rid)
@@ -101,7 +102,7 @@ class DecodePeers:
         what = ("cannot reach" if isinstance(exc, (TransportError, OSError))
                 else f"failed opening ({type(exc).__name__}) a data connection to")
         reason = f"prefill {what} the decode's {self.config.transport} endpoint {session.address!r}: {exc}"
-        with self._lock:
+        with self._transition():
             if epoch != session.epoch or session.link.closed:
                 return
             session.opening = False
@@ -128,12 +129,12 @@ class DecodePeers:
                                 "waiting to say Hello", self._refused_pending, MAX_PENDING)
                 sock.close()
                 continue
-            self._links.add(Link(sock, self._progress, f"decode at {format_address(peer[0], peer[1])}",
+            self._links.add(ControlConn(sock, self._progress, f"decode at {format_address(peer[0], peer[1])}",
                                  self._on_message,
-                                 lambda link, why: self._progress.call(self._link_lost, link, why),
+                                 self._link_lost,
                                  accepted=True))
 
-    def _on_hello(self, link: Link, msg: Hello) -> None:
+    def _on_hello(self, link: ControlConn, msg: Hello) -> None:
         try:
             routes = hello_routes(self._pools, self.config.transport, msg)
         except Refusal as exc:
@@ -147,10 +148,10 @@ class DecodePeers:
         session = DecodePeer(link, msg.engine, msg.address, routes)
         self._sessions[msg.engine] = link.owner = session
         link.label = f"decode {msg.engine}"
-        with self._lock:
+        with self._transition():
             self._reopen(session)  # the Welcome goes out once the data connection is warm
 
-    def _refuse(self, link: Link, kind: str, reason: str) -> None:
+    def _refuse(self, link: ControlConn, kind: str, reason: str) -> None:
         """Refuse a decode's handshake, logged; keep its link to hear which requests that dooms.
 
         The decode answers a `Refuse` with an `Abort` per request it was about
@@ -168,14 +169,14 @@ class DecodePeers:
         link.opened = time.monotonic()  # its connect_timeout to hang up runs from the refusal
         link.send(Refuse(kind, reason))
 
-    def _link_lost(self, link: Link, reason: str) -> None:
+    def _link_lost(self, link: ControlConn, reason: str) -> None:
         self._links.discard(link)
         session = link.owner
         if not isinstance(session, DecodePeer):  # a stranger, or a refused decode
             return
         why = f"decode engine {session.engine} lost: {reason}"
         now = time.monotonic()
-        with self._lock:
+        with self._transition():
             if self._sessions.get(session.engine) is session:
                 del self._sessions[session.engine]
             for rid in list(session.requests):
@@ -188,7 +189,7 @@ class DecodePeers:
     def _shutdown(self) -> None:
         # Let transfers already posted finish (bounded) rather than cutting them.
         until = time.monotonic() + self.config.grace
-        with self._lock:
+        with self._transition():
             handles = [h for r in self._table.running() for h in r.handles]
         for h in handles:
             try:
@@ -201,14 +202,14 @@ class DecodePeers:
         self._data.close(self.config.shutdown_wait)
 
     def _shutdown_on_thread(self) -> None:
-        with self._lock:
+        with self._transition():
             closing = [s.conn for s in self._sessions.values() if s.conn is not None]
             for s in self._sessions.values():
                 s.conn, s.epoch = None, s.epoch + 1
         for conn in closing:
             conn.close()
         reason = "prefill engine closed"
-        with self._lock:
+        with self._transition():
             for req in self._table.running():
                 self._apply(req, req.life.on_close(reason, ClosedError(reason)))
         for link in list(self._links):

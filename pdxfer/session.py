@@ -1,6 +1,6 @@
 """Control links: framed, non-blocking sockets between a prefill and a decode engine.
 
-A `Link` is one TCP connection carrying `protocol.CONTROL` frames. It lives on
+A `ControlConn` is one TCP connection carrying `protocol.CONTROL` frames. It lives on
 its engine's progress thread (`progress.Progress`): reads arrive as selector
 events and are cut into frames incrementally; writes go out immediately when
 the socket takes them and are buffered (with a write-interest registration)
@@ -108,16 +108,21 @@ def listen(host: str, port: int, who: str) -> socket.socket:
     return sock
 
 
-class Link:
-    """One control connection, owned by a progress thread."""
+class ControlConn:
+    """One control connection, owned by a progress thread.
+
+    `send` only queues and writes: it never handles input (a drained backlog
+    resumes reading at the loop's next turn) and never runs the owner's
+    `on_close` inline, so it is safe to call from inside a handler.
+    """
 
     def __init__(
         self,
         sock: socket.socket,
         progress: Progress,
         label: str,
-        on_message: Callable[[Link, Any], None],
-        on_close: Callable[[Link, str], None],
+        on_message: Callable[[ControlConn, Any], None],
+        on_close: Callable[[ControlConn, str], None],
         *,
         connecting: bool = False,
         accepted: bool = False,
@@ -152,8 +157,8 @@ class Link:
     # -- opening ----------------------------------------------------------
     @classmethod
     def dial(cls, family: int, sockaddr: Any, progress: Progress, label: str,
-             on_message: Callable[[Link, Any], None],
-             on_close: Callable[[Link, str], None]) -> Link:
+             on_message: Callable[[ControlConn, Any], None],
+             on_close: Callable[[ControlConn, str], None]) -> ControlConn:
         """Start a non-blocking connect to a resolved address; frames sent meanwhile go out once it completes.
 
         `(family, sockaddr)` come from `resolver`: a host name is never
@@ -207,7 +212,16 @@ class Link:
                             self.label, len(self._out))
         elif self.stuck_since is not None and len(self._out) <= MAX_BACKLOG // 2:
             self.stuck_since = None  # hysteresis: resume once half the bound drained
-            self._parse()  # input held back while stuck
+            # Input held back while stuck is handled at the loop's next turn, never here:
+            # this may run inside a caller's `send`, whose caller may hold a lock the
+            # handlers take, and message N+1 must not run in the middle of message N's
+            # effects (#29.1). Parsing is only ever started by the loop.
+            self._progress.call(self._resume)
+
+    def _resume(self) -> None:
+        """Progress loop: handle the frames read before the link got stuck."""
+        if not self.closed:
+            self._parse()
 
     # -- receiving --------------------------------------------------------
     def _on_event(self, mask: int) -> None:
@@ -271,7 +285,7 @@ class Link:
         self.close(f"protocol error from {self.label}: {reason}")
 
     def close(self, reason: str) -> None:
-        """Close once; the owner's `on_close(link, reason)` runs exactly once."""
+        """Close once; the owner's `on_close(link, reason)` runs exactly once, at the loop's next turn."""
         if self.closed:
             return
         self.closed = True
@@ -288,7 +302,8 @@ class Link:
             except (KeyError, ValueError, OSError):
                 pass
         self.sock.close()
-        self._on_close(self, reason)
+        # Queued, not called: a close may happen inside a send or a handler (#29.1).
+        self._progress.call(self._on_close, self, reason)
 
     def _update_interest(self) -> None:
         if self.closed:

@@ -45,6 +45,7 @@ from pdxfer import layout, transport
 
 from ..cliargs import bounded_int
 from ..config import EngineConfig, KVPoll
+from ..errors import TransferTimeout
 from ..prefill import PrefillEngine
 from . import report as br
 from . import workload
@@ -67,6 +68,22 @@ def _decode_side(backend: str, processes: int) -> Any:
     return LocalDecode()
 
 
+def _await_expect(prefill: PrefillEngine, rid: str, timeout: float) -> None:
+    """Until the prefill holds `rid`'s Expect; its failure, or `TransferTimeout` past `timeout`, raise.
+
+    Polled, not waited on: the prefill has no record of the id until the
+    Expect arrives (`try_poll` says None meanwhile), so `wait` would refuse it.
+    """
+    deadline = time.monotonic() + timeout
+    while (state := prefill.try_poll(rid)) is not KVPoll.WaitingForInput:
+        if state is KVPoll.Failed:
+            raise prefill.failure(rid)
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"bench: the decode's Expect for {rid!r} did not reach the "
+                                  f"prefill within {timeout} s (now {state})")
+        time.sleep(0.0002)
+
+
 def _bench_engine(backend: str, kind: str, reqs: list, batch: int, decode: Any,
                   entries: tuple[int, int] = ENTRIES) -> dict[str, Any]:
     """The engine pass of one configuration; `decode` (a `_decode_side`) is reset after it."""
@@ -85,13 +102,7 @@ def _bench_engine(backend: str, kind: str, reqs: list, batch: int, decode: Any,
             decode.call("expect", rids=rids, addr=prefill.bootstrap_address,
                         indices=[{p: v.tolist() for p, v in dst.items()} for _, (_, dst) in chunk])
             for i, _ in chunk:  # until the prefill has every Expect: time send() alone
-                while True:
-                    try:
-                        if prefill.poll(f"r{i}") is KVPoll.WaitingForInput:
-                            break
-                    except Exception:
-                        pass
-                    time.sleep(0.0002)
+                _await_expect(prefill, f"r{i}", cfg.timeout)
             if not probed:  # every Expect is there, so the data connection is open
                 probe_prefill(prefill, plan, write)
                 probed = True

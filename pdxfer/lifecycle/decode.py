@@ -74,7 +74,7 @@ class DecodeLife:
         self.phase = DPhase.DIALING
         self.deadline = now + timing.wait
         self.parts: dict[int, int] = {}  # chunk -> transfers it has
-        self.landed: dict[int, int] = {}  # chunk -> transfers landed
+        self.landed: dict[int, set[int]] = {}  # chunk -> the parts of it that landed
         self.complete = 0  # chunks with every part landed
         self.last_chunk: int | None = None
         self.aborting: tuple[str, BaseException | None] | None = None
@@ -105,17 +105,27 @@ class DecodeLife:
         return []
 
     def on_landed(self, chunk: int, part: int, parts: int, last: bool, now: float) -> list:
-        """One transfer's notify: Success once the last chunk and every earlier one are whole."""
+        """One transfer's notify: Success once every part of every chunk 0..last has landed.
+
+        A proof, not a count: each chunk keeps the set of its parts that
+        landed, and a notify that cannot belong to the request — a part
+        already landed, a part or chunk outside its range, a second "last"
+        chunk, a part count that changed — fails the request as a protocol
+        error naming what was wrong (#29.5). Then "every chunk through the
+        last is whole" holds exactly when the number of whole chunks is
+        last + 1: every chunk counted lies in 0..last and is counted once.
+        """
         if self.phase not in (DPhase.EXPECTED, DPhase.RECEIVING):
             return []  # aborting, fencing or final: late notifies count for nothing
-        expected = self.parts.setdefault(chunk, parts)
-        if expected != parts or not 0 <= part < parts:
+        bad = self._bad_notify(chunk, part, parts, last)
+        if bad is not None:
             return self.on_abort(f"prefill sent an inconsistent notify for chunk {chunk} (part "
-                                 f"{part} of {parts}, expected {expected} parts)", now,
-                                 ProtocolError("inconsistent notify"))
-        got = self.landed.get(chunk, 0) + 1
-        self.landed[chunk] = got
-        if got == expected:
+                                 f"{part} of {parts}): {bad}", now,
+                                 ProtocolError(f"inconsistent notify: {bad}"))
+        self.parts.setdefault(chunk, parts)
+        got = self.landed.setdefault(chunk, set())
+        got.add(part)
+        if len(got) == parts:
             self.complete += 1
         if last:
             self.last_chunk = chunk
@@ -125,6 +135,25 @@ class DecodeLife:
             return []
         self.phase = DPhase.SUCCEEDED
         return [Finish(True), Send(Done(self.id, self.xid))]
+
+    def _bad_notify(self, chunk: int, part: int, parts: int, last: bool) -> str | None:
+        """What makes this notify impossible for the request, or None."""
+        if chunk < 0 or parts < 1 or not 0 <= part < parts:
+            return "part must be in 0..parts-1 of a chunk >= 0 with parts >= 1"
+        expected = self.parts.get(chunk, parts)
+        if expected != parts:
+            return f"chunk {chunk} was announced with {expected} parts"
+        if part in self.landed.get(chunk, ()):
+            return f"part {part} of chunk {chunk} already landed (a duplicate notify)"
+        if self.last_chunk is not None and chunk > self.last_chunk:
+            return f"chunk {chunk} is past the last chunk {self.last_chunk}"
+        if last:
+            if self.last_chunk is not None and chunk != self.last_chunk:
+                return f"chunk {self.last_chunk} was already the last"
+            beyond = [c for c in self.parts if c > chunk]
+            if beyond:
+                return f"chunk {max(beyond)} landed past this last chunk"
+        return None
 
     def on_abort(self, reason: str, now: float, error: BaseException | None = None) -> list:
         """Give up (caller, timeout, bad notify): at once if no byte can come, else ask the prefill."""

@@ -286,6 +286,30 @@ def test_an_inconsistent_notify_aborts() -> None:
     assert life.phase is DPhase.ABORTING
 
 
+@pytest.mark.parametrize("notifies, named", [
+    # two copies of part 0 of a 2-part chunk: a count says whole, the parts say not (#29.5)
+    ([(0, 0, 2, True), (0, 0, 2, True)], "part 0 of chunk 0 already landed"),
+    ([(0, 2, 2, True)], "part must be in 0..parts-1"),
+    ([(0, -1, 2, True)], "part must be in 0..parts-1"),
+    ([(-1, 0, 1, False)], "a chunk >= 0"),
+    # chunk 2 whole and chunk 0 whole: two chunks, but chunk 1 of 0..1 never came
+    # chunks 2 and 0 whole, then half of chunk 1 as the last: a count of 2 whole chunks said done
+    ([(2, 0, 1, False), (0, 0, 1, False), (1, 0, 2, True)], "chunk 2 landed past this last"),
+    ([(0, 0, 2, True), (3, 0, 1, False)], "chunk 3 is past the last chunk 0"),
+    ([(1, 0, 2, True), (0, 0, 1, True)], "chunk 1 was already the last"),
+])
+def test_a_notify_that_cannot_belong_to_the_request_fails_it_named(notifies, named) -> None:
+    life = announced()
+    effects: list = []
+    for chunk, part, parts, last in notifies:
+        effects += life.on_landed(chunk, part, parts, last, 0.1)
+    assert not any(isinstance(e, Finish) and e.ok for e in effects), effects
+    aborts = [m for m in sent(effects) if isinstance(m, Abort)]
+    assert len(aborts) == 1 and named in aborts[0].reason, (aborts, named)
+    assert "inconsistent notify" in aborts[0].reason
+    assert life.phase is DPhase.ABORTING
+
+
 def test_abort_before_the_expect_left_fails_at_once_and_is_told_on_the_handshake() -> None:
     life = DecodeLife("r", 5, Expect("r", 5, {}), T, 0.0)
     effects = life.on_abort("aborted by decode: x", 0.0)
