@@ -36,8 +36,10 @@ settled. docs/reliability.md, #11 and "What ends a no-fence quarantine".
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -82,6 +84,12 @@ class DecodeEngine(Dials, Engine):
         # Notifies the transport handed over, applied in bursts by the progress thread.
         self._landed: collections.deque[tuple[str, bytes]] = collections.deque()
         self._landing = False  # a turn of `_apply_landed` is queued
+        # What the tick looks at, so a tick costs what is due, not what is held (#29.6):
+        # a heap of (wakes_at, seq, request), lazily pruned, and the requests polled
+        # against the transport (`DecodeLife.settling`). Both under the table lock.
+        self._due: list[tuple[float, int, DecodeRequest]] = []
+        self._due_seq = itertools.count()
+        self._settling: dict[int, DecodeRequest] = {}
         # A `pdxfer.directory.PeerDirectory` (or anything with its resolve /
         # layout / subscribe): re-resolves a stale record, describes a
         # prefill's pools before dialing, and says when a prefill was replaced.
@@ -123,6 +131,7 @@ class DecodeEngine(Dials, Engine):
             life = DecodeLife(rid, xid, msg, self._timing, time.monotonic(), fence=self._can_fence)
             req = DecodeRequest(rid, life, dst, record)
             self._table.add(req)
+            self._schedule(req)
         self._progress.call(self._start, req)
 
     def check_prefill(self, prefill: str | PeerRecord) -> PeerRecord:
@@ -171,6 +180,46 @@ class DecodeEngine(Dials, Engine):
                 log.warning("pdxfer decode: request %r quarantined: %s", req.id, eff.reason)
                 self._table.quarantine(req, eff.reason, eff.error)
         self._table.advance(req, req.life.poll)
+        self._schedule(req)
+
+    def _schedule(self, req: DecodeRequest) -> None:
+        """Keep `req` where the tick finds it: its deadline in the heap, or in the settling set.
+
+        Lock held. Pushes only when the deadline moved earlier than the entry
+        already there (a later one is found when that entry comes due), so a
+        notify, which only moves it later, costs a comparison.
+        """
+        life = req.life
+        at = life.wakes_at
+        if at is not None and at < req.due and not req.finished:
+            req.due = at
+            heapq.heappush(self._due, (at, next(self._due_seq), req))
+        if life.settling and not req.finished:
+            self._settling[id(req)] = req
+        else:
+            self._settling.pop(id(req), None)
+
+    def _pop_due(self, now: float) -> list[DecodeRequest]:
+        """The requests whose deadline passed, off the heap (lock held); stale entries dropped."""
+        out = []
+        while self._due and self._due[0][0] <= now:
+            at, _, req = heapq.heappop(self._due)
+            if at != req.due:
+                continue  # superseded by an earlier entry, already handled
+            req.due = math.inf
+            wake = req.life.wakes_at
+            if req.finished or wake is None:
+                continue
+            if wake > now:  # moved later meanwhile: come back then
+                req.due = wake
+                heapq.heappush(self._due, (wake, next(self._due_seq), req))
+            else:
+                out.append(req)
+        if len(self._due) > 4 * len(self._table) + 1024:  # entries of released records: rebuild
+            self._due = [(r.due, next(self._due_seq), r) for r in self._table.running()
+                         if isinstance(r, DecodeRequest) and r.due != math.inf]
+            heapq.heapify(self._due)
+        return out
 
     def _after_resize(self, names: tuple[str, str]) -> None:
         """Tell every prefill the new live ranges, queued ahead of any later Expect (lock held)."""
@@ -442,12 +491,13 @@ class DecodeEngine(Dials, Engine):
         cfg = self.config
         close, wake = self._tick_dials(now)  # first: a request never connected says so, not "timed out"
         with self._transition():  # the fences it asks for run as it ends, one per prefill
-            for req in self._table.running():
+            for req in self._pop_due(now):  # only what is due: #29.6
                 self._apply(req, req.life.on_tick(now))
-            aborting = any(r.life.phase is DPhase.ABORTING for r in self._table.running())
-            orphans = [(r, r.session.engine) for r in self._table.running()
+            due = self._due[0][0] - now if self._due else math.inf
+            held = list(self._settling.values())
+            orphans = [(r, r.session.engine) for r in held
                        if r.life.phase is DPhase.ORPHANED and r.session is not None]
-            settling = [(r, r.session.engine, r.life.links) for r in self._table.running()
+            settling = [(r, r.session.engine, r.life.links) for r in held
                         if r.life.phase is DPhase.QUARANTINED and r.life.links and r.session is not None]
         # Asked of the transport, off the lock: nothing of these links can land any more (#25.1).
         settled = self._transport.settled
@@ -470,7 +520,8 @@ class DecodeEngine(Dials, Engine):
         close += self._watch([s.link for s in self._sessions.values() if s.link is not None], now,
                              lambda link: not link.connecting)
         self._close_links(close)
-        return 0.005 if aborting or settling else min(0.1, cfg.heartbeat / 2, wake)
+        # Asking the transport is polling: 5 ms while something waits on it; else the next deadline.
+        return 0.005 if settling or orphans else min(0.1, cfg.heartbeat / 2, wake, due)
 
     # -- close ----------------------------------------------------------------
     def _shutdown(self) -> None:

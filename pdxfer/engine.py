@@ -23,11 +23,13 @@ deliver a notify before it lets such a call return.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+import types
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pdxfer import layout, transport
@@ -73,7 +75,8 @@ class Engine:
             raise
 
     # -- transitions: state under the lock, effects after it --------------------------
-    def _transition(self) -> _Transition:
+    @contextlib.contextmanager
+    def _transition(self) -> Iterator[None]:
         """`with self._transition():` — the one way drivers change request state.
 
         Holds the table lock for the state machines' transitions and the
@@ -81,9 +84,19 @@ class Engine:
         message, a fence) is queued with `_defer` and carried out once the
         lock is released, in the order queued: on the progress thread at once
         when this is it, else handed to it (#29.1). Nothing a handler of the
-        loop does can then run while a transition holds the lock.
+        loop does can then run while a transition holds the lock, and no
+        handler runs in the middle of another's effects.
         """
-        return _Transition(self)
+        effects: list = []
+        try:
+            with self._lock:
+                self._outbox, self._batches = effects, {}
+                try:
+                    yield
+                finally:
+                    self._outbox, self._batches = None, {}
+        finally:  # even when the body raised: what it applied to the state already happened
+            self._carry_out(effects)
 
     def _defer(self, fn: Any, *args: Any) -> None:
         """Queue `fn(*args)` to run once the current transition released the lock (lock held)."""
@@ -105,13 +118,15 @@ class Engine:
 
     def _carry_out(self, effects: list) -> None:
         """Run what a transition deferred; the lock is not held here."""
+        if not effects:  # also the first tick, run before the constructor has `_progress`
+            return
         on_thread = self._progress.on_thread
         for fn, args in effects:
             if on_thread:
                 fn(*args)
             else:
                 self._progress.post(fn, *args)
-        if effects and not on_thread:
+        if not on_thread:
             self._progress.kick()
 
     # -- identity -----------------------------------------------------------
@@ -119,6 +134,16 @@ class Engine:
     def engine_id(self) -> str:
         """This engine's transport id: what peers see in descriptors and fence with."""
         return self._transport.engine_id
+
+    @property
+    def pool_set(self) -> PoolSet:
+        """The pools this engine serves, as registered (read-only: `resize` changes them)."""
+        return self._pools
+
+    @property
+    def arenas(self) -> Mapping[str, Any]:
+        """Each pool's arena by name, read-only (`layout.PoolArena`, or a pool of `ElasticPools`)."""
+        return types.MappingProxyType(self._pools.arenas)
 
     @property
     def regions(self) -> int:
@@ -368,25 +393,3 @@ class Engine:
         self.close()
 
 
-
-class _Transition:
-    """The context `Engine._transition()` returns: lock, collect, release, carry out."""
-
-    __slots__ = ("engine", "effects")
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.effects: list = []
-
-    def __enter__(self) -> list:
-        engine = self.engine
-        engine._lock.acquire()
-        engine._outbox, engine._batches = self.effects, {}
-        return self.effects
-
-    def __exit__(self, *exc: object) -> None:
-        engine = self.engine
-        engine._outbox, engine._batches = None, {}
-        engine._lock.release()
-        # Even when the body raised: what it applied to the state already happened.
-        engine._carry_out(self.effects)

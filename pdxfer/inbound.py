@@ -11,6 +11,7 @@ behind other requests. What a request may do next is its
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,7 +34,7 @@ MAX_INDICES = (MAX_FRAME - (64 << 10)) // 8
 class DecodeRequest(Request):
     """A request as the decode tracks it: its destinations and the prefill serving it."""
 
-    __slots__ = ("dst", "record", "rebound", "session")
+    __slots__ = ("due", "dst", "record", "rebound", "session")
 
     def __init__(self, request_id: str, life: DecodeLife, dst: dict[str, np.ndarray],
                  record: PeerRecord) -> None:
@@ -43,6 +44,7 @@ class DecodeRequest(Request):
         self.peer = record.address
         self.rebound = False  # re-resolved once already (bounds re-resolution to one hop)
         self.session: PrefillPeer | None = None
+        self.due = math.inf  # its live entry in the decode's deadline heap (`DecodeEngine._schedule`)
 
     def held(self, pool: str) -> list[np.ndarray]:
         """Our entries of `pool` this request may still receive into (`resizing.blocking`)."""

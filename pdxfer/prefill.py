@@ -130,6 +130,14 @@ class PrefillEngine(DecodePeers, Engine):
             if session is not None and not ready:
                 self._reopen(session)
 
+    def peers(self) -> list[DecodePeer]:
+        """The decode engines connected now, one `outbound.DecodePeer` each (benches, diagnostics).
+
+        The engine's own objects: read them; what the progress thread changes
+        in them may change under the reader.
+        """
+        return list(self._sessions.values())
+
     def _check_sources(self, chunk: Chunk) -> None:
         """Refuse source indices outside their pools: what a queued chunk is checked by."""
         for pool, src in chunk.indices.items():

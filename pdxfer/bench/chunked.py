@@ -101,7 +101,7 @@ def _expected(prefill: PrefillEngine, rid: str) -> bool:
 
 
 def prefill_pools(prefill: PrefillEngine) -> dict:
-    return prefill._pools.arenas
+    return prefill.arenas
 
 
 def run(backends: list[str], pages: int, chunks: int, compute_ms: float, reps: int, processes: int,

@@ -68,7 +68,7 @@ def probe_prefill(prefill: Any, plan: Split, write: Split, timeout: float = 60.0
     later (a reconnect after a fault) is not probed.
     """
     deadline = time.monotonic() + timeout
-    sessions = list(prefill._sessions.values())
+    sessions = list(prefill.peers())
     while not all(s.ready for s in sessions):
         if time.monotonic() > deadline:
             raise SystemExit(f"bench: a data connection did not open within {timeout} s")

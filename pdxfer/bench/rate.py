@@ -32,7 +32,7 @@ from ..decode import DecodeEngine
 from ..prefill import PrefillEngine
 
 
-def _ready(prefill: PrefillEngine, rids: list[str]) -> None:
+def await_expects(prefill: PrefillEngine, rids: list[str]) -> None:
     """Until the prefill holds every rid's Expect, so send() posts at once."""
     deadline = time.monotonic() + 60.0
     for rid in rids:
@@ -54,7 +54,7 @@ def engine_run(pools: Any, backend: str, reqs: list, batch: int, small: list) ->
             chunk = list(enumerate(reqs[start:start + batch], start))
             for i, (_, dst) in chunk:
                 decode.expect(f"r{i}", addr, dst)
-            _ready(prefill, [f"r{i}" for i, _ in chunk])
+            await_expects(prefill, [f"r{i}" for i, _ in chunk])
             t0 = time.perf_counter()
             for i, (src, _) in chunk:
                 prefill.send(f"r{i}", src)
@@ -68,7 +68,7 @@ def engine_run(pools: Any, backend: str, reqs: list, batch: int, small: list) ->
                 prefill.release(f"r{i}")
         for i, (src, dst) in enumerate(small):
             decode.expect(f"s{i}", addr, dst)
-            _ready(prefill, [f"s{i}"])
+            await_expects(prefill, [f"s{i}"])
             t0 = time.perf_counter_ns()
             prefill.send(f"s{i}", src)
             state = decode.wait(f"s{i}", 60.0)

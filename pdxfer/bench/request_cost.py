@@ -54,7 +54,7 @@ from ..prefill import PrefillEngine
 from . import rate, workload
 from . import report as br
 from .probes import Split, probe_prefill
-from .rate import _ready
+from .rate import await_expects
 from .workload import ENTRIES, TINY_ENTRIES
 
 
@@ -75,7 +75,7 @@ def _engine_pass(backend: str, reqs: list, batch: int, split: bool,
     try:
         # A first request opens the link and warms every path before timing.
         decode.expect("warm", prefill.bootstrap_address, reqs[0][1])
-        _ready(prefill, ["warm"])
+        await_expects(prefill, ["warm"])
         prefill.send("warm", reqs[0][0])
         decode.wait("warm", 60.0)
         prefill.wait("warm", 60.0)
@@ -90,9 +90,9 @@ def _engine_pass(backend: str, reqs: list, batch: int, split: bool,
                 out["expect_cpu"].append(cpu() - c)
                 if split:  # what expect() checks and frames, timed on its own: it is pure
                     t = clock()
-                    expect_message(decode._pools, f"r{i}", i, dst)
+                    expect_message(decode.pool_set, f"r{i}", i, dst)
                     out["check"].append(clock() - t)
-            _ready(prefill, [f"r{i}" for i, _ in chunk])
+            await_expects(prefill, [f"r{i}" for i, _ in chunk])
             for i, (src, _) in chunk:
                 plan.total = post.total = 0
                 c, t = cpu(), clock()

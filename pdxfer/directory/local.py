@@ -34,20 +34,23 @@ class LocalHub:
         self._layouts: dict[str, dict] = {}
         self._members: list[LocalDirectory] = []
 
-    def _join(self, member: LocalDirectory) -> None:
+    def join(self, member: LocalDirectory) -> None:
+        """Add `member`; it receives every record held now, then every change."""
         with self._lock:
             self._members.append(member)
-            member._apply([(s, r) for s, (r, _) in self._records.items()], dict(self._layouts))
+            member.receive([(s, r) for s, (r, _) in self._records.items()], dict(self._layouts))
 
-    def _leave(self, member: LocalDirectory) -> None:
+    def leave(self, member: LocalDirectory) -> None:
+        """Remove `member` and every record it holds."""
         with self._lock:
             if member in self._members:
                 self._members.remove(member)
             mine = [s for s, (_, owner) in self._records.items() if owner is member]
-            self._set([(s, None) for s in mine])
+            self.publish([(s, None) for s in mine])
 
-    def _set(self, changes: list[tuple[Slot, PeerRecord | None]], owner: LocalDirectory | None = None,
-             layouts: Mapping[str, dict] | None = None) -> None:
+    def publish(self, changes: list[tuple[Slot, PeerRecord | None]],
+                owner: LocalDirectory | None = None, layouts: Mapping[str, dict] | None = None) -> None:
+        """Apply `changes` (a record, or None to remove it) held by `owner`, and tell every member."""
         with self._lock:  # held while delivering: every member sees changes in one order
             for slot, record in changes:
                 if record is None:
@@ -58,22 +61,33 @@ class LocalHub:
             for fp, desc in (layouts or {}).items():
                 self._layouts.setdefault(fp, desc)
             for member in list(self._members):
-                member._apply(changes, layouts)
+                member.receive(changes, layouts)
 
-    def _held(self, slot: Slot) -> tuple[PeerRecord, LocalDirectory] | None:
+    def register(self, slot: Slot, record: PeerRecord, owner: LocalDirectory,
+                 layouts: Mapping[str, dict] | None, takeover: bool) -> None:
+        """`owner` claims `slot` with `record` (`base.claim` decides), in one hold of the lock."""
         with self._lock:
-            return self._records.get(slot)
+            held = self._records.get(slot)
+            claim(slot, None if held is None else held[0], record, takeover)
+            self.publish([(slot, record)], owner, layouts)
+
+    def unregister(self, slot: Slot, owner: LocalDirectory) -> None:
+        """Remove `slot`'s record if `owner` holds it."""
+        with self._lock:
+            held = self._records.get(slot)
+            if held is not None and held[1] is owner:
+                self.publish([(slot, None)])
 
     def depart(self, slot: Slot) -> None:
         """Remove `slot`'s record as if its holder's lease expired (peers see "down")."""
         with self._lock:
             if slot in self._records:
-                self._set([(slot, None)])
+                self.publish([(slot, None)])
 
     def expire(self, member: LocalDirectory) -> None:
         """Every record of `member` gone at once: its process's lease expired."""
         with self._lock:
-            self._set([(s, None) for s, (_, owner) in self._records.items() if owner is member])
+            self.publish([(s, None) for s, (_, owner) in self._records.items() if owner is member])
 
 
 class LocalDirectory(PeerDirectory):
@@ -82,22 +96,21 @@ class LocalDirectory(PeerDirectory):
     def __init__(self, hub: LocalHub | None = None) -> None:
         super().__init__()
         self.hub = LocalHub() if hub is None else hub
-        self.hub._join(self)
+        self.hub.join(self)
+
+    def receive(self, changes: list[tuple[Slot, PeerRecord | None]],
+                layouts: Mapping[str, dict] | None) -> None:
+        """The hub's delivery of `changes` to this member (under the hub's lock)."""
+        self._apply(changes, layouts)
 
     def register(self, slot: Slot, record: PeerRecord, layouts: Mapping[str, dict] | None = None,
                  *, takeover: bool = False) -> None:
         self._check_open()
         check_record(slot, record)
-        with self.hub._lock:
-            held = self.hub._held(slot)
-            claim(slot, None if held is None else held[0], record, takeover)
-            self.hub._set([(slot, record)], self, layouts)
+        self.hub.register(slot, record, self, layouts, takeover)
 
     def unregister(self, slot: Slot) -> None:
-        with self.hub._lock:
-            held = self.hub._held(slot)
-            if held is not None and held[1] is self:
-                self.hub._set([(slot, None)])
+        self.hub.unregister(slot, self)
 
     def health(self) -> DirectoryHealth:
         return DirectoryHealth(not self._closed, 0, 0.0, "closed" if self._closed else "")
@@ -105,7 +118,7 @@ class LocalDirectory(PeerDirectory):
     def close(self) -> None:
         if not self._closed:
             super().close()
-            self.hub._leave(self)
+            self.hub.leave(self)
 
 
 class StaticDirectory(LocalDirectory):
@@ -117,7 +130,7 @@ class StaticDirectory(LocalDirectory):
                  for slot, rec in (records or {}).items()}
         for slot, record in table.items():
             check_record(slot, record)
-        self.hub._set(list(table.items()), self)
+        self.hub.publish(list(table.items()), self)
 
     @classmethod
     def from_groups(cls, model: str, groups: Mapping[str, str | Sequence[str]],

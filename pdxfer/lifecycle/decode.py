@@ -58,6 +58,8 @@ _D_POLL = {DPhase.DIALING: KVPoll.Bootstrapping, DPhase.EXPECTED: KVPoll.Waiting
            DPhase.FAILED: KVPoll.Failed, DPhase.QUARANTINED: KVPoll.Quarantined,
            DPhase.ORPHANED: KVPoll.Quarantined}
 _WAITING = (DPhase.ABORTING, DPhase.FENCING, DPhase.QUARANTINED, DPhase.ORPHANED)
+# The phases whose `deadline` means something to `on_tick`.
+_TIMED = (DPhase.DIALING, DPhase.EXPECTED, DPhase.RECEIVING, DPhase.ABORTING)
 
 
 class DecodeLife:
@@ -92,6 +94,20 @@ class DecodeLife:
     def poll(self) -> KVPoll:
         """The caller's view (`effects.visible`)."""
         return visible(_D_POLL, self)
+
+    @property
+    def wakes_at(self) -> float | None:
+        """When `on_tick` may next change something: the deadline of a timed phase, else None.
+
+        A driver need only tick the request then (and after any transition
+        that moved this earlier): the deadline only ever moves later otherwise.
+        """
+        return self.deadline if self.phase in _TIMED else None
+
+    @property
+    def settling(self) -> bool:
+        """Failed without a fence and waiting on the transport (`on_quiet`, `on_peer_gone`)."""
+        return self.phase is DPhase.ORPHANED or (self.phase is DPhase.QUARANTINED and bool(self.links))
 
     def on_link_ready(self, now: float) -> list:
         """The handshake finished: send the Expect, or tell the prefill it was aborted meanwhile."""
