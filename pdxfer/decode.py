@@ -53,7 +53,7 @@ from .directory.records import PeerRecord
 from .engine import Engine
 from .errors import LayoutMismatchError, RequestError
 from .handshake import record_mismatch, welcome_mismatch, why_lost
-from .inbound import DecodeRequest, PrefillPeer, expect_message
+from .expects import DecodeRequest, PrefillPeer, expect_message
 from .lifecycle import DecodeLife, DPhase, Fence, Finish, Quarantine, Send, Timing
 from .pools import layout_error
 from .protocol import (

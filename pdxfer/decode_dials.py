@@ -43,7 +43,7 @@ from typing import Any
 from pdxfer.transport.errors import PeerLostError
 
 from .handshake import why_lost
-from .inbound import DecodeRequest, PrefillPeer
+from .expects import DecodeRequest, PrefillPeer
 from .protocol import Abort, Hello
 from .resolver import Addrs, Lookups, numeric
 from .session import ControlConn, parse_address

@@ -5,7 +5,7 @@ forward pass wrote the cache (or once per chunk, `last=False` until the
 final one); the decode's `Expect` names the destinations. What happens next
 is decided by the request's `lifecycle.PrefillLife`; this module is its
 driver: look the record up, apply one transition under the table lock, carry
-out the effects (`Post` plans the chunk with `outbound` and posts it on a
+out the effects (`Post` plans the chunk with `chunks` and posts it on a
 connection that is already open and warmed, so posting never waits on the
 network; `Send` goes to the progress thread; `Cut` closes a data connection
 on a worker; `Finish` settles the table).
@@ -34,7 +34,7 @@ from .engine import Engine
 from .errors import LayoutError, RequestError
 from .handshake import DataLinks, Refusal
 from .lifecycle import Cut, Finish, PrefillLife, Send, Timing
-from .outbound import (
+from .chunks import (
     Chunk,
     DecodePeer,
     PrefillRequest,
@@ -131,7 +131,7 @@ class PrefillEngine(DecodePeers, Engine):
                 self._reopen(session)
 
     def peers(self) -> list[DecodePeer]:
-        """The decode engines connected now, one `outbound.DecodePeer` each (benches, diagnostics).
+        """The decode engines connected now, one `chunks.DecodePeer` each (benches, diagnostics).
 
         The engine's own objects: read them; what the progress thread changes
         in them may change under the reader.

@@ -23,7 +23,7 @@ from pdxfer.transport.errors import ProtocolError, TransportError
 
 from .errors import ClosedError
 from .handshake import Refusal, hello_routes
-from .outbound import DecodePeer, PrefillRequest, unfinished
+from .chunks import DecodePeer, PrefillRequest, unfinished
 from .protocol import Hello, Refuse, Welcome
 from .session import MAX_PENDING, ControlConn, format_address
 

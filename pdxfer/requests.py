@@ -15,7 +15,7 @@ What a request may do next is decided by its state machine
 (`lifecycle.PrefillLife`/`DecodeLife`), held in `Request.life`; the table
 only mirrors its caller-visible `KVPoll` and its final outcome, and the
 role-specific bookkeeping (chunk cursors, handles) lives in subclasses of
-`Request` in `outbound.py`/`decode.py`.
+`Request` in `chunks.py`/`expects.py`.
 
 Records the local caller never created (a prefill's record made by a
 decode's Expect) are not kept forever once they fail: they become a bounded

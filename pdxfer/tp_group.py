@@ -48,7 +48,7 @@ from .config import KVPoll, RequestStats
 from .decode import DecodeEngine
 from .directory.records import PeerRecord
 from .errors import ConfigError, RequestError, RequestFailed, TransferTimeout, UnknownRequestError
-from .inbound import expect_destinations
+from .expects import expect_destinations
 from .prefill import PrefillEngine
 from .requests import check_request_id
 

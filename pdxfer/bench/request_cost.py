@@ -14,7 +14,7 @@ themselves, many times, and splits them:
   payloads, the request table, the lifecycle). The totals come from the
   first pass, which runs with no timers inside;
 - `expect`: `DecodeEngine.expect()` timed per call, and beside it `check`:
-  `inbound.expect_message` (every index checked, the Expect's size bounded)
+  `expects.expect_message` (every index checked, the Expect's size bounded)
   called on its own with the same destinations right after each timed call
   — it is a pure function, so it is timed outside the engine rather than by
   wrapping the module function the engine calls;
@@ -49,7 +49,7 @@ from pdxfer import layout, transport
 from ..cliargs import bounded_int
 from ..config import EngineConfig
 from ..decode import DecodeEngine
-from ..inbound import expect_message
+from ..expects import expect_message
 from ..prefill import PrefillEngine
 from . import rate, workload
 from . import report as br
@@ -148,7 +148,7 @@ COLUMNS = {
     "bookkeeping us": "... the rest of send() in the second pass",
     "expect us": "median wall us of DecodeEngine.expect() of the same destinations",
     "expect cpu us": "... the calling thread's CPU time",
-    "expect check us": "inbound.expect_message (index checks, size bound) on the same "
+    "expect check us": "expects.expect_message (index checks, size bound) on the same "
                        "destinations, timed on its own (second pass)",
     "bare plan us": "plan_segments for both pools in a tight loop, no engine",
     "bare post us": "Connection.write of both tables on a bare transport pair, no engine",

@@ -187,12 +187,12 @@ def test_benches_time_pieces_of_their_own_engine_only(monkeypatch: pytest.Monkey
     """
     import inspect
 
-    from pdxfer import decode, inbound, layout, pools, prefill
+    from pdxfer import decode, expects, layout, pools, prefill
 
     def shared() -> dict[str, object]:
         return {"layout.plan_segments": layout.plan_segments, "Route.plan": pools.Route.plan,
                 "decode.expect_message": decode.expect_message,
-                "inbound.expect_message": inbound.expect_message}
+                "expects.expect_message": expects.expect_message}
 
     before = shared()
     replaced: set[str] = set()

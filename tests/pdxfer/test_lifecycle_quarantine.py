@@ -245,7 +245,7 @@ def test_with_a_fence_a_cut_still_fences_and_closed_links_are_waited_for() -> No
 def test_the_prefill_names_every_link_it_posted_on_but_its_live_one() -> None:
     from types import SimpleNamespace
 
-    from pdxfer.outbound import closed_links
+    from pdxfer.chunks import closed_links
     from pdxfer.protocol import MAX_LINKS
 
     conn = SimpleNamespace(incarnation="live", alive=True)

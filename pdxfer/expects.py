@@ -1,6 +1,6 @@
 """What the decode receives into: its records and the checks an `expect()` runs up front.
 
-The counterpart of `outbound.py`: the records the decode keeps
+The counterpart of `chunks.py`: the records the decode keeps
 (`DecodeRequest`, `PrefillPeer`) and the validation that turns an
 `expect()`'s indices into the `Expect` message — every index checked, the
 frame's size bounded — before anything is recorded, so a refused call
