@@ -52,14 +52,15 @@ from .decode_dials import Dials
 from .directory.records import PeerRecord
 from .engine import Engine
 from .errors import LayoutMismatchError, RequestError
-from .handshake import record_mismatch, welcome_mismatch, why_lost
 from .expects import DecodeRequest, PrefillPeer, expect_message
+from .handshake import record_mismatch, welcome_mismatch, why_lost
 from .lifecycle import DecodeLife, DPhase, Fence, Finish, Quarantine, Send, Timing
 from .pools import layout_error
 from .protocol import (
     Abort,
     AbortAck,
     Fenced,
+    Hello,
     Ping,
     Refuse,
     Welcome,
@@ -72,7 +73,7 @@ from .session import ControlConn, parse_address
 log = logging.getLogger("pdxfer")
 
 
-class DecodeEngine(Dials, Engine):
+class DecodeEngine(Engine):
     """The receiving side; dials prefills on demand and fences them when they misbehave."""
 
     role = "decode"
@@ -96,8 +97,16 @@ class DecodeEngine(Dials, Engine):
         # None: records are taken as given, and a bare address checks nothing.
         self._directory = directory
         self._unsubscribe = None
+        self._dials: Dials | None = None  # made once the progress loop exists; it may tick first
         super().__init__(pools, config)
-        self._init_dials()
+        cfg = self.config
+        self._dials = Dials(
+            sessions=self._sessions, progress=self._progress, lock=self._lock, config=cfg,
+            name=self.engine_id,
+            hello=lambda: Hello(self.engine_id, cfg.transport, self._transport.address(),
+                                **self._pools.hello_fields()),
+            on_message=self._on_message, on_link_lost=self._link_lost,
+            fail=self._fail_waiting, closed=lambda: self._closed)
         self._timing = Timing(self.config.request_wait, self.config.grace)
         self._transport.set_notify_handler(self._on_notify)
         self._can_fence = self._transport.capabilities.fence
@@ -260,7 +269,7 @@ class DecodeEngine(Dials, Engine):
             if not self._incarnation(req, session, session.engine, welcome=False):
                 return  # failed, re-resolved elsewhere, or waiting for the old link's cut
         if session is None:  # dialled once this request is bound (decode_dials)
-            session = self._dial(req.peer, req.record.engine)
+            session = self._dials.dial(req.peer, req.record.engine)
         with self._transition():
             req.session = session
             session.requests.add(req.id)
@@ -324,7 +333,7 @@ class DecodeEngine(Dials, Engine):
                 session.refusal = (msg.kind, msg.reason)
                 log.warning("pdxfer decode: prefill at %s refused the handshake (%s): %s",
                             session.addr, msg.kind, msg.reason)
-                self._doom(session)
+                self._dials.doom(session)
                 link.close(f"prefill at {session.addr} refused the handshake: {msg.reason}")
             else:
                 link.refuse(f"expected welcome or refuse, got {type(msg).TYPE!r}")
@@ -352,7 +361,7 @@ class DecodeEngine(Dials, Engine):
         if reason is not None:
             session.refusal = ("layout", reason)
             log.warning("pdxfer decode: refused prefill at %s: %s", session.addr, reason)
-            self._doom(session)
+            self._dials.doom(session)
             return session.link.close(f"layout mismatch with prefill at {session.addr}")
         waiting, session.waiting = session.waiting, []
         keep = [req for req in waiting if self._incarnation(req, session, msg.engine, welcome=True)]
@@ -362,7 +371,7 @@ class DecodeEngine(Dials, Engine):
         session.waiting = keep
         session.engine = msg.engine
         session.ready = True
-        self._reached(session.addr)
+        self._dials.reached(session.addr)
         session.link.label = f"prefill {msg.engine} at {session.addr}"
         now = time.monotonic()
         with self._transition():
@@ -427,6 +436,15 @@ class DecodeEngine(Dials, Engine):
             return False
         return True
 
+    def _fail_waiting(self, session: PrefillPeer, reqs: list[DecodeRequest], reason: str,
+                      error: BaseException) -> None:
+        """`reqs`, waiting on `session` (never reached), fail as lost: off its waiting list, fenced if bound."""
+        gone = {id(r) for r in reqs}
+        with self._transition():  # fences, if any, run as it ends
+            session.waiting = [r for r in session.waiting if id(r) not in gone]
+            for r in reqs:
+                self._apply(r, r.life.on_link_lost(reason, error))
+
     def _fail_unbound(self, req: DecodeRequest, session: PrefillPeer, why: str,
                       error: BaseException | None = None) -> None:
         """Fail a request no Expect was sent for (nothing can land): at once, no fence."""
@@ -466,12 +484,12 @@ class DecodeEngine(Dials, Engine):
             return  # close() fails the requests itself, after the transport is down
         if link.connecting:  # it never connected: nothing was lost
             if session.link is link:
-                self._not_reached(session, reason)
+                self._dials.not_reached(session, reason)
             return
         if self._sessions.get(session.addr) is session:
             del self._sessions[session.addr]  # the next request dials afresh
         if session.ready:
-            self._lost(session.addr)
+            self._dials.lost(session.addr)
         reason, error = why_lost(session.addr, session.refusal, reason, reached=session.ready)
         with self._transition():  # fences run as it ends, one drop_peer for the session
             reqs = session.waiting + [r for rid in session.requests
@@ -489,7 +507,9 @@ class DecodeEngine(Dials, Engine):
     # -- timers (progress thread) ----------------------------------------------------
     def _tick(self, now: float) -> float:
         cfg = self.config
-        close, wake = self._tick_dials(now)  # first: a request never connected says so, not "timed out"
+        if self._dials is None:  # the constructor is still running
+            return 0.001
+        close, wake = self._dials.tick(now)  # first: a request never connected says so, not "timed out"
         with self._transition():  # the fences it asks for run as it ends, one per prefill
             for req in self._pop_due(now):  # only what is due: #29.6
                 self._apply(req, req.life.on_tick(now))
@@ -528,7 +548,7 @@ class DecodeEngine(Dials, Engine):
         if self._unsubscribe is not None:
             self._unsubscribe()
         self._run_on_progress(self._shutdown_on_thread, self.config.shutdown_wait)
-        self._lookups.close(self.config.shutdown_wait)
+        self._dials.close(self.config.shutdown_wait)
 
     def _shutdown_on_thread(self) -> None:
         with self._transition():

@@ -1,8 +1,9 @@
 """The decode's first contact with a prefill: reaching it, and a refusal's news (#18, #20).
 
-A mixin of `DecodeEngine`, split off so the engine module stays the request
-driver. It owns the part of a prefill peer's life before its control link
-first connects:
+A collaborator of `DecodeEngine` (`Dials`), split off so the engine module
+stays the request driver, and handed only what it needs (#29: a narrow
+interface, not the engine's private fields). It owns the part of a prefill
+peer's life before its control link first connects:
 
 - The bootstrap host is resolved off the progress thread (`resolver`): a
   literal address at once, a name by a worker whose answer is posted back;
@@ -27,9 +28,11 @@ first connects:
   Welcome, a loss, the directory's incarnations).
 
 All of it runs on the progress thread: no step waits on the network there.
-It reads the engine's `_sessions`, `_lock`, `_progress`, `_pools`,
-`_transport`, `config` and `engine_id`, and calls its `_apply`, `_fence`,
-`_on_message` and `_link_lost`.
+What it is given: the engine's peer table (`sessions`, shared: the engine
+drops a lost peer from it), the progress loop, the table lock (to read the
+requests' deadlines), the config, how to say Hello, the link's two
+callbacks, how to fail requests waiting on a peer (`fail`, a transition of
+the engine's), and whether the engine is closing.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ import collections
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pdxfer.transport.errors import PeerLostError
 
-from .handshake import why_lost
 from .expects import DecodeRequest, PrefillPeer
+from .handshake import why_lost
 from .protocol import Abort, Hello
 from .resolver import Addrs, Lookups, numeric
 from .session import ControlConn, parse_address
@@ -57,26 +61,36 @@ _GONE_LIMIT = 1024
 
 
 class Dials:
-    """Dialling prefills for `DecodeEngine` (see the module docstring for what it reads)."""
+    """Dialling prefills for `DecodeEngine` (see the module docstring for what it is given)."""
 
-    _sessions: dict[str, PrefillPeer]
-    _lock: Any
-    _progress: Any
-    _pools: Any
-    _transport: Any
-    _closed: bool
-    config: Any
-    engine_id: str
-    # ... and calls the engine's `_apply`, `_fence`, `_on_message`, `_link_lost` (no stubs:
-    # this class precedes `Engine` in the MRO, so a stub would shadow the real method).
-
-    def _init_dials(self) -> None:
-        """Once the progress thread exists: the lookup workers, the gone addresses."""
-        self._lookups = Lookups(f"pdxfer-resolve-{self.engine_id}",
+    def __init__(self, *, sessions: dict[str, PrefillPeer], progress: Any, lock: Any, config: Any,
+                 name: str, hello: Callable[[], Hello],
+                 on_message: Callable[[ControlConn, Any], None],
+                 on_link_lost: Callable[[ControlConn, str], None],
+                 fail: Callable[[PrefillPeer, list[DecodeRequest], str, BaseException], None],
+                 closed: Callable[[], bool]) -> None:
+        self._sessions = sessions
+        self._progress = progress
+        self._lock = lock
+        self.config = config
+        self._hello = hello
+        self._on_message = on_message
+        self._link_lost = on_link_lost
+        self._fail = fail
+        self._is_closed = closed
+        self._lookups = Lookups(f"pdxfer-resolve-{name}",
                                 lambda *a: self._progress.call(self._resolved, *a))
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
 
-    def _dial(self, addr: str, expected: str | None) -> PrefillPeer:
+    @property
+    def _closed(self) -> bool:
+        return self._is_closed()
+
+    def close(self, timeout: float) -> None:
+        """Stop the lookup workers (bounded)."""
+        self._lookups.close(timeout)
+
+    def dial(self, addr: str, expected: str | None) -> PrefillPeer:
         """A new peer for `addr`, its first dial queued behind the request binding to it."""
         session = PrefillPeer(addr, expected, time.monotonic() + self.config.connect_wait,
                               retry=addr not in self._gone)
@@ -84,11 +98,11 @@ class Dials:
         self._progress.call(self._connect, session)
         return session
 
-    def _reached(self, addr: str) -> None:
+    def reached(self, addr: str) -> None:
         """A prefill welcomed us at `addr`: it is back, if it was gone."""
         self._gone.pop(addr, None)
 
-    def _lost(self, addr: str) -> None:
+    def lost(self, addr: str) -> None:
         """The prefill at `addr`, once reached, is lost: a refused dial there fails at once."""
         self._gone[addr] = None
         self._gone.move_to_end(addr)
@@ -113,7 +127,7 @@ class Dials:
         session.resolving = False
         if not addrs:
             host = parse_address(session.addr)[0]
-            return self._not_reached(session, f"cannot resolve {host!r}: {error or 'no address'}")
+            return self.not_reached(session, f"cannot resolve {host!r}: {error or 'no address'}")
         self._dial_to(session, addrs)
 
     def _dial_to(self, session: PrefillPeer, addrs: Addrs) -> None:
@@ -123,12 +137,11 @@ class Dials:
                              self._on_message,
                              self._link_lost)
         except OSError as exc:
-            return self._not_reached(session, f"cannot connect to prefill at {session.addr}: {exc}")
+            return self.not_reached(session, f"cannot connect to prefill at {session.addr}: {exc}")
         link.owner, session.link = session, link
-        link.send(Hello(self.engine_id, self.config.transport, self._transport.address(),
-                        **self._pools.hello_fields()))
+        link.send(self._hello())
 
-    def _not_reached(self, session: PrefillPeer, why: str) -> None:
+    def not_reached(self, session: PrefillPeer, why: str) -> None:
         """A dial that never connected: retry within connect_timeout, else fail its requests."""
         session.link = None
         session.attempts += 1
@@ -152,14 +165,9 @@ class Dials:
         reason = (f"prefill at {session.addr} not reached (no handshake): "
                   f"{session.why_not or 'still connecting'}; {n} attempt{'s' if n != 1 else ''} "
                   f"{when}")
-        error = PeerLostError(reason)
-        gone = {id(r) for r in reqs}
-        with self._transition():  # fences, if any, run as it ends
-            session.waiting = [r for r in session.waiting if id(r) not in gone]
-            for r in reqs:
-                self._apply(r, r.life.on_link_lost(reason, error))
+        self._fail(session, reqs, reason, PeerLostError(reason))
 
-    def _tick_dials(self, now: float) -> tuple[list[tuple[ControlConn, str]], float]:
+    def tick(self, now: float) -> tuple[list[tuple[ControlConn, str]], float]:
         """Redial, give up, and fail requests that waited out their wait unreached.
 
         Runs before the requests' own timers, so a request whose wait ends
@@ -179,7 +187,7 @@ class Dials:
                     wake = min(wake, session.retry_at - now)
             if session.resolving and now >= session.connect_by:
                 session.resolving = False  # its answer, if it ever comes, is dropped
-                self._not_reached(session, f"no answer resolving {parse_address(session.addr)[0]!r}")
+                self.not_reached(session, f"no answer resolving {parse_address(session.addr)[0]!r}")
                 continue
             if link is not None and now >= session.connect_by:
                 close.append((link, f"connect to prefill at {session.addr} did not complete"))
@@ -190,7 +198,7 @@ class Dials:
                                      f"within the request's request_timeout {self.config.request_wait} s")
         return close, wake
 
-    def _doom(self, session: PrefillPeer) -> None:
+    def doom(self, session: PrefillPeer) -> None:
         """Tell a prefill that refused us which requests that fails, in the words they fail with.
 
         An `Abort` per waiting request, sent before we hang up: the prefill

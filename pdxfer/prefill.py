@@ -29,11 +29,6 @@ from typing import Any
 from pdxfer import layout
 from pdxfer.transport.errors import ProtocolError, TransportError
 
-from .config import EngineConfig, KVPoll, RequestStats
-from .engine import Engine
-from .errors import LayoutError, RequestError
-from .handshake import DataLinks, Refusal
-from .lifecycle import Cut, Finish, PrefillLife, Send, Timing
 from .chunks import (
     Chunk,
     DecodePeer,
@@ -45,6 +40,11 @@ from .chunks import (
     transfer_error,
     unfinished,
 )
+from .config import EngineConfig, KVPoll, RequestStats
+from .engine import Engine
+from .errors import LayoutError, RequestError
+from .handshake import DataLinks, Refusal
+from .lifecycle import Cut, Finish, PrefillLife, Send, Timing
 from .prefill_peers import DecodePeers
 from .protocol import (
     Abort,

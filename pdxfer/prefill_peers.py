@@ -21,9 +21,9 @@ from typing import Any
 
 from pdxfer.transport.errors import ProtocolError, TransportError
 
+from .chunks import DecodePeer, PrefillRequest, unfinished
 from .errors import ClosedError
 from .handshake import Refusal, hello_routes
-from .chunks import DecodePeer, PrefillRequest, unfinished
 from .protocol import Hello, Refuse, Welcome
 from .session import MAX_PENDING, ControlConn, format_address
 

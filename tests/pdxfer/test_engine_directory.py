@@ -108,13 +108,13 @@ def test_a_replaced_prefill_is_cut_before_its_successor_is_dialed(hub_pair, back
         decode.expect("r1", view.resolve(SLOT), {"kv": [1], "state": [1]})
         until(lambda: old.try_poll("r1") is not None, "the Expect reaching the old prefill")
         at_dial = []
-        dial = decode._dial
+        dial = decode._dials.dial
 
         def spy(addr, expected):  # what r1 was when the successor got dialed
             at_dial.append((addr, decode.poll("r1")))
             return dial(addr, expected)
 
-        decode._dial = spy
+        decode._dials.dial = spy
         successor, _ = engine_record(SLOT, new, src)
         # Hold the decode's loop so the replacement and the next request queue up together:
         # the order inside one turn of the loop is what is checked, not a race.
