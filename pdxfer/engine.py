@@ -9,8 +9,11 @@ So does the one call that changes the pools under traffic, `resize` (a page/
 state boundary of `layout.ElasticPools`; its bookkeeping is `resizing.py`).
 
 Lock discipline, the one rule that keeps this deadlock-free and keeps one
-peer from slowing the others: the table's lock guards request state and is
-held only for local work — a state-machine transition, planning, and posting
+peer from slowing the others: the table's lock guards request state, is
+taken by the drivers only through `_transition()` — which carries out what
+a transition defers (control messages, fences) after releasing it, so no
+message is sent and none is handled under it (#29.1) — and is held only for
+local work — a state-machine transition, planning, and posting
 a write on a data connection that is already open and warmed (the
 transport checks the table and hands the write to its sending side, taking
 only its own locks; no network wait). It is never held across a
