@@ -70,6 +70,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .closing import BYE_WAIT
 from .dial import Dials, dial
 from .errors import ClosedError, PeerLostError, ProtocolError, TransferTimeout, TransportError
 from .inbound import InboundLink, InboundTable
@@ -79,7 +80,6 @@ from .regions import Region, RegionTable
 from .wire import ErrorMessage
 
 log = logging.getLogger(__name__)
-BYE_WAIT = 1.0  # how long close() waits for the peer to fence us and hang up
 # A stalled sender that stops reading its control socket must not stall our
 # progress thread forever in a send of acks.
 SEND_TIMEOUT = 5.0
@@ -532,12 +532,14 @@ class ControlInbound(InboundLink):
             self.WIRE.CONTROL.send(self.sock, msg)
 
     def cut(self) -> None:
-        self.stop_path()
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+            self.stop_path()
+        finally:  # the control socket goes even if the data path's stop raised (#29 item 4)
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
 
 
 class LinkRegions:

@@ -42,3 +42,18 @@ class TransferTimeout(TransportError, TimeoutError):
 
 class ClosedError(TransportError):
     """The engine or connection was closed while, or before, it was used."""
+
+
+class CloseError(TransportError):
+    """One or more steps of a `close()` failed; every other step still ran.
+
+    `failures` holds `(step, exception)` pairs in the order they ran; the
+    first is also the `__cause__`. Calling `close()` again retries the steps
+    that failed (and only those).
+    """
+
+    def __init__(self, what: str, failures: list[tuple[str, BaseException]]) -> None:
+        self.failures = tuple(failures)
+        named = "; ".join(f"{step}: {type(exc).__name__}: {exc}" for step, exc in self.failures)
+        super().__init__(f"closing {what}: {len(self.failures)} step(s) failed ({named}); every "
+                         "other step ran — close() again retries the failed ones")
