@@ -72,7 +72,14 @@ import numpy as np
 
 from .closing import BYE_WAIT
 from .dial import Dials, dial
-from .errors import ClosedError, PeerLostError, ProtocolError, TransferTimeout, TransportError
+from .errors import (
+    ClosedError,
+    PeerLostError,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+    again,
+)
 from .inbound import InboundLink, InboundTable
 from .link import Link, LinkContext, Remote
 from .listener import Slot, read_hello
@@ -272,7 +279,7 @@ class ControlledLink(Link):
         query, done = next(self._qids), threading.Event()
         with self.lock:
             if self.error is not None:
-                raise self.error
+                raise again(self.error)
             self._queries[query] = done
         try:
             with self.send_lock:
@@ -286,7 +293,7 @@ class ControlledLink(Link):
             with self.lock:
                 self._queries.pop(query, None)
         if self.error is not None:
-            raise self.error
+            raise again(self.error)
 
     def _read(self) -> None:
         w = self.WIRE
@@ -314,6 +321,13 @@ class ControlledLink(Link):
                 f"{self.what} closed the link (it died, closed, or dropped us): {exc}"))
         except TransportError as exc:
             self.sever(exc)
+        except Exception as exc:  # a bug of ours or the backend's: never leave the link alive but deaf
+            log.exception("%s: the control reader of the link to %s failed", self.ctx.backend,
+                          self.peer)
+            error = TransportError(f"the control reader of the link to {self.what} failed "
+                                   f"({type(exc).__name__}: {exc}); the link is severed")
+            error.__cause__ = exc
+            self.sever(error)
 
     def _hang_up(self) -> None:
         with self.lock:
