@@ -36,6 +36,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pdxfer import layout, transport
+from pdxfer.transport import closing
 
 from . import resizing
 from .config import EngineConfig, KVPoll, RequestStats
@@ -67,6 +68,7 @@ class Engine:
         # What the transition holding the lock deferred (`_transition`); None when none does.
         self._outbox: list | None = None
         self._batches: dict[int, list] = {}
+        self._closing = closing.Steps(f"{self.role} engine {self._transport.engine_id}")
         self._resizing = threading.Lock()  # one boundary move at a time
         try:
             self._pools = PoolSet(pools, self._transport)
@@ -284,22 +286,31 @@ class Engine:
             raise ClosedError(f"{self.role} engine {self.engine_id} is closed")
 
     def close(self) -> None:
-        """Fail what is in flight, stop the thread, release the transport. Idempotent, bounded."""
+        """Fail what is in flight, stop the thread, release the transport. Idempotent, bounded.
+
+        Every step runs even if an earlier one raised; the failures are raised
+        once (`transport.CloseError`, naming each step), and a second `close()`
+        runs again only the steps that did not finish.
+        """
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-        try:
-            self._shutdown()
-        finally:
-            self._progress.stop(self.config.shutdown_wait)
-            self._transport.close()  # also shuts the socket under a dial in progress
-            self._join_workers()
+        if self._closing.finished:
+            return
+
+        def fail_the_rest() -> None:
             reason = f"{self.role} engine closed"
             with self._lock:  # the transport is down: nothing lands or is read any more
                 for req in self._table.running():
                     req.life.on_close(reason, ClosedError(reason))
                     self._table.finish(req, False, reason, ClosedError(reason))
+
+        self._closing.run([
+            ("shut the role down", self._shutdown),
+            ("stop the progress thread", lambda: self._progress.stop(self.config.shutdown_wait)),
+            ("close the transport", self._transport.close),  # also ends a dial in progress
+            ("join the workers", self._join_workers),
+            ("fail what is still running", fail_the_rest),
+        ])
 
     def _shutdown(self) -> None:
         """Role-specific part of close(), run before the thread stops."""

@@ -16,10 +16,13 @@ It reads the engine's `_lock`, `_table`, `_sessions`, `_links`, `_data`,
 from __future__ import annotations
 
 import logging
+import selectors
+import threading
 import time
 from typing import Any
 
 from pdxfer.transport.errors import ProtocolError, TransportError
+from pdxfer.transport.listener import ACCEPT_BACKOFF, AcceptBackoff
 
 from .chunks import DecodePeer, PrefillRequest, unfinished
 from .errors import ClosedError
@@ -115,13 +118,46 @@ class DecodePeers:
         self._refuse(session.link, "transport", reason)
 
     # -- control links (progress thread) ---------------------------------------------
+    _accepting_backoff: AcceptBackoff | None = None
+
+    @property
+    def _accepting(self) -> AcceptBackoff:
+        if self._accepting_backoff is None:
+            self._accepting_backoff = AcceptBackoff("pdxfer prefill listener")
+        return self._accepting_backoff
+
+    def _pause_accepting(self, listener: Any) -> None:
+        """Out of fds: the failed connection stays queued and the level-triggered selector would
+        report it again at once (a spinning core). Stop watching the listener for
+        `ACCEPT_BACKOFF` s; every other link is served meanwhile. Progress thread.
+        """
+        try:
+            self._progress.selector.unregister(listener)
+        except (KeyError, ValueError):
+            return
+
+        def resume() -> None:
+            if self._listener is listener and listener.fileno() >= 0:
+                try:
+                    self._progress.selector.register(listener, selectors.EVENT_READ, self._on_accept)
+                except (KeyError, ValueError, OSError):
+                    pass  # closed or registered again meanwhile
+
+        timer = threading.Timer(ACCEPT_BACKOFF, self._progress.call, (resume,))
+        timer.daemon = True
+        timer.start()
+
     def _on_accept(self, _mask: int) -> None:
-        assert self._listener is not None
+        listener = self._listener
+        assert listener is not None
         while True:
             try:
-                sock, peer = self._listener.accept()
-            except OSError:  # nothing more to accept now (or a transient failure)
+                sock, peer = listener.accept()
+            except OSError as exc:  # nothing more to accept now (or a transient failure)
+                if self._accepting.failed(exc):
+                    self._pause_accepting(listener)
                 return
+            self._accepting.accepted()
             if sum(1 for link in self._links if not link.handshaken) >= MAX_PENDING:
                 self._refused_pending += 1
                 if self._refused_pending & (self._refused_pending - 1) == 0:  # 1st, 2nd, 4th, ...

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pdxfer import layout, transport
 
 TRANSPORT = [
-    "BoundsError", "Capabilities", "CapabilityError", "ClosedError", "Connection", "LocalRegion",
+    "BoundsError", "Capabilities", "CapabilityError", "CloseError", "ClosedError", "Connection",
+    "LocalRegion",
     "NotifyHandler", "PeerLostError", "ProtocolError", "RegistrationError", "TransferHandle",
     "TransferTimeout", "TransportEngine", "TransportError", "available", "capabilities", "create",
     "variants",

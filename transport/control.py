@@ -70,8 +70,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .closing import BYE_WAIT
 from .dial import Dials, dial
-from .errors import ClosedError, PeerLostError, ProtocolError, TransferTimeout, TransportError
+from .errors import (
+    ClosedError,
+    PeerLostError,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+    again,
+)
 from .inbound import InboundLink, InboundTable
 from .link import Link, LinkContext, Remote
 from .listener import Slot, read_hello
@@ -79,7 +87,6 @@ from .regions import Region, RegionTable
 from .wire import ErrorMessage
 
 log = logging.getLogger(__name__)
-BYE_WAIT = 1.0  # how long close() waits for the peer to fence us and hang up
 # A stalled sender that stops reading its control socket must not stall our
 # progress thread forever in a send of acks.
 SEND_TIMEOUT = 5.0
@@ -272,7 +279,7 @@ class ControlledLink(Link):
         query, done = next(self._qids), threading.Event()
         with self.lock:
             if self.error is not None:
-                raise self.error
+                raise again(self.error)
             self._queries[query] = done
         try:
             with self.send_lock:
@@ -286,7 +293,7 @@ class ControlledLink(Link):
             with self.lock:
                 self._queries.pop(query, None)
         if self.error is not None:
-            raise self.error
+            raise again(self.error)
 
     def _read(self) -> None:
         w = self.WIRE
@@ -314,6 +321,13 @@ class ControlledLink(Link):
                 f"{self.what} closed the link (it died, closed, or dropped us): {exc}"))
         except TransportError as exc:
             self.sever(exc)
+        except Exception as exc:  # a bug of ours or the backend's: never leave the link alive but deaf
+            log.exception("%s: the control reader of the link to %s failed", self.ctx.backend,
+                          self.peer)
+            error = TransportError(f"the control reader of the link to {self.what} failed "
+                                   f"({type(exc).__name__}: {exc}); the link is severed")
+            error.__cause__ = exc
+            self.sever(error)
 
     def _hang_up(self) -> None:
         with self.lock:
@@ -532,12 +546,14 @@ class ControlInbound(InboundLink):
             self.WIRE.CONTROL.send(self.sock, msg)
 
     def cut(self) -> None:
-        self.stop_path()
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+            self.stop_path()
+        finally:  # the control socket goes even if the data path's stop raised (#29 item 4)
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
 
 
 class LinkRegions:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import replace
@@ -54,7 +55,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import closing
 from .base import Capabilities, Connection, LocalRegion, NotifyHandler, TransportEngine
+from .closing import BYE_WAIT
 from .device_copy import Scratches
 from .dial import Dials
 from .errors import CapabilityError, ClosedError, RegistrationError
@@ -117,6 +120,7 @@ class Outbound:
         self._lock = threading.Lock()
         self._links: dict[str, Link] = {}
         self._goodbyes: set[threading.Thread] = set()  # dead links still draining (`farewell`)
+        self._unclosed: list[Link] = []  # taken out of the table by close, not closed yet
         self._closed = False
 
     def live(self, peer: str) -> Link | None:
@@ -152,18 +156,40 @@ class Outbound:
         with self._lock:
             return list(self._links.values())
 
-    def close(self) -> None:
-        """Close every link (in-flight work fails with `ClosedError`, threads joined). Idempotent."""
+    def close(self, deadline: float) -> bool:
+        """Close every link at once (in-flight work fails with `ClosedError`), all under `deadline`.
+
+        Each link's close (its `Bye`, its wait for the peer to hang up, its
+        threads joined) runs on its own thread, so the bound is `deadline`,
+        not one link's bound per peer in turn. False if a link or a goodbye
+        was still finishing at the deadline; a link whose close raised is kept
+        and closed again by the next call (`CloseError` naming it).
+        """
         with self._lock:
             self._closed = True
-            links = list(self._links.values())
+            self._unclosed.extend(self._links.values())
             self._links.clear()
-        for link in links:
+            links = list(self._unclosed)
+        done: list[Link] = []
+
+        def shut(link: Link) -> None:
             link.close()
+            done.append(link)
+
+        try:
+            running = closing.concurrently("outbound links", links, shut, deadline,
+                                           name=lambda link: f"link to {link.peer}")
+        finally:
+            with self._lock:
+                self._unclosed = [link for link in self._unclosed
+                                  if not any(link is d for d in done)]
         with self._lock:
-            goodbyes, self._goodbyes = list(self._goodbyes), set()
-        for thread in goodbyes:  # each bounded by its drain and its Bye
-            thread.join(JOIN_TIMEOUT)
+            goodbyes = list(self._goodbyes)
+        for thread in goodbyes:  # each bounded by its drain and its Bye; all by the deadline
+            thread.join(closing.left(deadline))
+        with self._lock:
+            self._goodbyes = {t for t in self._goodbyes if t.is_alive()}
+            return not running and not self._goodbyes
 
     def farewell(self, thread: threading.Thread) -> None:
         """A dead link's goodbye thread (`ControlledLink`): joined by `close`; finished ones dropped."""
@@ -203,6 +229,7 @@ class EngineBase(TransportEngine):
         self._handler: NotifyHandler | None = None
         self._closed = False
         self._close_lock = threading.Lock()
+        self._closing = closing.Steps(f"{self.name} engine {self.engine_id}")
 
     # -- what links and helpers get ----------------------------------------------
     def link_context(self, backend: str | None = None) -> LinkContext:
@@ -340,21 +367,45 @@ class EngineBase(TransportEngine):
         if self._closed:
             raise ClosedError(f"{self.name} engine {self.engine_id} is closed")
 
+    @property
+    def close_timeout(self) -> float:
+        """The one bound on a whole `close()`, whatever the number of peers.
+
+        A link's close may drain (`connect_timeout`), then waits `BYE_WAIT`
+        for its peer to hang up; every link does that at once, and the
+        joins of what the engine started share what is left of it.
+        """
+        return self.connect_timeout + BYE_WAIT + JOIN_TIMEOUT
+
     def close(self) -> None:
+        """Close everything, in the kit's order, under one deadline (`close_timeout`).
+
+        Every step runs even if an earlier one raised; the failures are raised
+        once at the end (`CloseError`, naming each step). A second `close()`
+        after a failed or unfinished one runs again only the steps that did
+        not finish; a `close()` while another runs returns at once.
+        """
         with self._close_lock:
-            if self._closed:
-                return
             self._closed = True
-        if self.listener is not None:
-            self.listener.close(JOIN_TIMEOUT)
-        self.dials.abort()
-        self.inbound.close()
-        self.outbound.close()
-        self.readiness.close()
-        self.release()
-        self.inbound.join(JOIN_TIMEOUT)
-        self.regions.clear()
-        self.after_close()
+        if self._closing.finished:
+            return
+        deadline = time.monotonic() + self.close_timeout
+
+        def listener() -> None:
+            if self.listener is not None:
+                self.listener.close(min(JOIN_TIMEOUT, closing.left(deadline)))
+
+        self._closing.run([
+            ("stop the listener", listener),
+            ("end dials in progress", self.dials.abort),
+            ("fence inbound links", self.inbound.close),
+            ("close outbound links", lambda: self.outbound.close(deadline)),
+            ("stop the readiness thread", self.readiness.close),
+            ("release the backend", self.release),
+            ("join inbound threads", lambda: self.inbound.join(closing.left(deadline))),
+            ("deregister regions", self.regions.clear),
+            ("after close", self.after_close),
+        ])
 
     def release(self) -> None:
         """The backend's own shutdown, after every link is down: progress threads, agents, devices."""

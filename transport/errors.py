@@ -42,3 +42,35 @@ class TransferTimeout(TransportError, TimeoutError):
 
 class ClosedError(TransportError):
     """The engine or connection was closed while, or before, it was used."""
+
+
+class CloseError(TransportError):
+    """One or more steps of a `close()` failed; every other step still ran.
+
+    `failures` holds `(step, exception)` pairs in the order they ran; the
+    first is also the `__cause__`. Calling `close()` again retries the steps
+    that failed (and only those).
+    """
+
+    def __init__(self, what: str, failures: list[tuple[str, BaseException]]) -> None:
+        self.failures = tuple(failures)
+        named = "; ".join(f"{step}: {type(exc).__name__}: {exc}" for step, exc in self.failures)
+        super().__init__(f"closing {what}: {len(self.failures)} step(s) failed ({named}); every "
+                         "other step ran — close() again retries the failed ones")
+
+
+def again(error: BaseException) -> BaseException:
+    """A fresh exception to raise for a stored one: same type, message and fields, `from` it.
+
+    Raising a stored exception object in place appends the raising frames to
+    its traceback every time (2 frames per `poll()`: 2,000 after 1,000 polls),
+    and two threads raising the one object race on it. The copy skips
+    `__init__` (any signature works) and is chained to the stored one, whose
+    traceback stays the one of its first raise.
+    """
+    cls = type(error)
+    fresh = cls.__new__(cls, *error.args)
+    fresh.args = error.args
+    fresh.__dict__.update(error.__dict__)
+    fresh.__cause__ = error
+    return fresh

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 
 from .base import TransferHandle
-from .errors import TransferTimeout, TransportError
+from .errors import TransferTimeout, TransportError, again
 
 _GUARD = threading.Lock()
 
@@ -61,7 +61,7 @@ class Handle(TransferHandle):
         if not self._done:
             return False
         if self._error is not None:
-            raise self._error
+            raise again(self._error)
         return True
 
     def wait(self, timeout: float | None = None) -> None:
@@ -76,7 +76,7 @@ class Handle(TransferHandle):
                     "the peer is slow or stalled — wait again, or drop the peer"
                 )
         if self._error is not None:
-            raise self._error
+            raise again(self._error)
 
     @property
     def failed(self) -> bool:

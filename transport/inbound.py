@@ -55,8 +55,10 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 
+from . import closing
 from .errors import PeerLostError
 
 log = logging.getLogger(__name__)
@@ -292,17 +294,28 @@ class InboundTable:
             link.fence()
 
     def close(self) -> None:
-        """Refuse new links and fence every tracked one (engine close). Idempotent."""
+        """Refuse new links and fence every tracked one (engine close). Idempotent, total.
+
+        Every link is fenced even if an earlier one's fence raised (one
+        `CloseError` naming each); a fenced link leaves the table, so a second
+        call fences again only the links whose fence failed.
+        """
         with self._lock:
             self._closed = True
             links = list(self._links)
-        for link in links:
-            link.fence()
+        closing.each(f"{self.name} inbound links", links, InboundLink.fence,
+                     name=lambda link: f"link from {link.sender or link.where}")
 
-    def join(self, timeout: float = JOIN_TIMEOUT) -> None:
-        """Join every link thread started (after `close`)."""
+    def join(self, timeout: float = JOIN_TIMEOUT) -> bool:
+        """Join every link thread started (after `close`), all within `timeout` s in total.
+
+        False if one was still running then (the next call waits for it again).
+        """
+        deadline = time.monotonic() + timeout
         with self._lock:
             threads = list(self._threads)
         for link in threads:
-            link.join(timeout)
-
+            link.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._threads = {t for t in self._threads if t.running}
+            return not self._threads

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .base import Connection, LocalRegion, TransferHandle
-from .errors import CapabilityError, ClosedError, RegistrationError, TransportError
+from .errors import CapabilityError, ClosedError, RegistrationError, TransportError, again
 from .handles import Handle
 from .posting import Post, PostQueue, Readiness
 from .regions import Region, RegionTable, check_descriptor
@@ -128,7 +128,7 @@ class Link(Connection):
         ready: Any = None,
     ) -> TransferHandle:
         if self.error is not None:
-            raise self.error
+            raise again(self.error)
         src = self.ctx.regions.local(local)
         region_id, length = self._descriptor(remote)
         dst = self.resolve(region_id)
@@ -148,7 +148,7 @@ class Link(Connection):
         plan = self.plan(src, dst, table)  # the backend's arithmetic, off the lock
         with self.lock:
             if self.error is not None:
-                raise self.error
+                raise again(self.error)
             seq = next(self._seqs)
             handle = Handle(nbytes, f"{self.ctx.backend} transfer {seq} to {self.peer}")
             self._pending[seq] = handle  # before the post: the ack may beat us back

@@ -10,6 +10,11 @@ vouches for it. This module owns that stretch, once for both:
   handshake; one past that is closed at accept, so a connection storm costs a
   bounded number of threads and sockets (each pre-handshake read is also
   capped at `wire.HANDSHAKE_MAX_FRAME`);
+* out of descriptors or memory (`EMFILE`, `ENFILE`, `ENOBUFS`, `ENOMEM`),
+  an accept fails while the connection stays queued, and a loop that
+  retries at once spins a core; `AcceptBackoff` holds accepting off for
+  `ACCEPT_BACKOFF` (100 ms, trio's accept loop's rule) and logs once per
+  episode (the PD prefill's selector-driven accept uses it too);
 * a pre-handshake connection gets `handshake_timeout` seconds in all: the
   socket's own timeout catches one that sends nothing, and the accept loop
   shuts down one that trickles bytes past its deadline (the accept waits at
@@ -26,6 +31,7 @@ and verbs alike.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -39,6 +45,42 @@ from .wire import HANDSHAKE_MAX_FRAME, Protocol
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING = 64
+# Accept failures that mean "out of a resource", not "this connection is bad": the connection
+# stays queued, so retrying at once fails again at once (trio's accept loop, the same list).
+OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_BACKOFF = 0.1  # seconds without accepting after one of those (trio sleeps 100 ms too)
+
+
+class AcceptBackoff:
+    """When to accept again after an accept failed for want of a resource; logs once per episode.
+
+    `failed(exc)` is True (and starts or extends an episode) for an
+    `OUT_OF_RESOURCES` error: the caller stops accepting for `ACCEPT_BACKOFF`
+    s and keeps serving everything else. `accepted()` ends the episode (one
+    line saying how many accepts failed in it).
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failures = 0  # in the current episode
+        self.episodes = 0
+
+    def failed(self, exc: OSError) -> bool:
+        """Whether `exc` means "out of resources": back off for `ACCEPT_BACKOFF` s, then retry."""
+        if exc.errno not in OUT_OF_RESOURCES:
+            return False
+        if not self.failures:
+            self.episodes += 1
+            log.warning("%s: accept failed (%s); accepting again every %.0f ms until it "
+                        "succeeds, serving the rest meanwhile", self.what, exc, ACCEPT_BACKOFF * 1e3)
+        self.failures += 1
+        return True
+
+    def accepted(self) -> None:
+        """An accept succeeded: the episode (if any) is over."""
+        if self.failures:
+            log.warning("%s: accepting again after %d failed attempts", self.what, self.failures)
+            self.failures = 0
 
 
 def family_for(host: str) -> socket.AddressFamily:
@@ -97,6 +139,8 @@ class Listener:
         self._lock = threading.Lock()
         self._pending: set[Slot] = set()
         self._closed = False
+        self._stop = threading.Event()  # set by close: ends a backoff wait
+        self._backoff = AcceptBackoff(f"{backend} listener")
         try:
             self._sock = socket.create_server(
                 (host, port), family=family_for(host), backlog=128,
@@ -149,8 +193,12 @@ class Listener:
             except OSError as exc:
                 if self._closed:
                     return
-                log.warning("%s listener %d: accept failed: %s", self.backend, self.port, exc)
+                if self._backoff.failed(exc):  # out of fds: the connection stays queued
+                    self._stop.wait(ACCEPT_BACKOFF)
+                else:
+                    log.warning("%s listener %d: accept failed: %s", self.backend, self.port, exc)
                 continue
+            self._backoff.accepted()
             sock.settimeout(self.handshake_timeout)
             with self._lock:
                 if self._closed:
@@ -180,6 +228,7 @@ class Listener:
         """Stop accepting and join the accept thread (at most `timeout` s). Idempotent."""
         with self._lock:
             self._closed = True
+        self._stop.set()  # ends a backoff wait at once
         try:  # wakes the blocked accept() on Linux
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import TransferTimeout, TransportError
+from .errors import TransferTimeout, TransportError, again
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class PostQueue:
         was not posted).
         """
         if self._dead is not None:
-            raise self._dead
+            raise again(self._dead)
         if not self._waiting and reached(post.ready):
             self._submit(post)
             return

@@ -57,6 +57,7 @@ from .agent import Initiator, translate
 from .wire import gpu_of
 
 log = logging.getLogger(__name__)
+RELEASE_TRIES = 1000  # progress rounds a finished request's release is retried before teardown
 
 
 def lost(what: str, exc: BaseException | str) -> PeerLostError:
@@ -117,6 +118,8 @@ class Requests:
         self._initiator = initiator
         self._queue: collections.deque[Write] = collections.deque()
         self._sends: list[_Send] = []
+        # Requests whose release kept failing (RELEASE_TRIES rounds): kept for `release_all`.
+        self.leaked: list[_Send] = []
         self._rounds = threading.Condition()  # notified after every poll (`drained`)
         self._round = 0
         # (link key, peer region) -> writes queued or posted that name it (`settled`)
@@ -249,11 +252,15 @@ class Requests:
                 except Exception:  # still active and not cancellable yet: retry next round
                     send.tries += 1
                     send.done_seq = None
-                    if send.tries < 1000:
+                    if send.tries < RELEASE_TRIES:
                         keep.append(send)
                         continue
+                    # Kept, never forgotten (NIXL's own API keeps `_leaked_xfer_handles` too):
+                    # dropping the last reference to an active request is not ours to do, and
+                    # teardown tries its release once more (`release_all`).
+                    self.leaked.append(send)
                     log.error("nixl: a request to %s could not be released after %d tries; "
-                              "forgetting it", send.link.peer, send.tries)
+                              "keeping it for a last release at close", send.link.peer, send.tries)
                 self._end(send.names)
             self._sends = keep
             moving = any(not s.link.dead or s.link.ctx.drains for s in keep)
@@ -297,12 +304,21 @@ class Requests:
         self._sends = keep
 
     def release_all(self) -> None:
-        """At close, the initiator's lock held: release every request and forget the queue."""
-        for send in self._sends:
+        """At close, the initiator's lock held: release every request and forget the queue.
+
+        The requests polling gave up releasing (`leaked`) are tried once more
+        here; one that still refuses stays in `leaked`, referenced for as long
+        as this object lives, and is logged.
+        """
+        still = []
+        for send in (*self.leaked, *self._sends):
             try:
                 send.xfer.release()
-            except Exception:
-                log.debug("nixl: a request was still active at close")
+            except Exception as exc:
+                still.append(send)
+                log.error("nixl: a request to %s could not be released at close either: %s",
+                          send.link.peer, exc)
+        self.leaked = still
         self._sends = []
         self._queue.clear()
         with self._ended:  # the engine is going: nothing it posted is waited for any more

@@ -39,8 +39,9 @@ import numpy as np
 import pdxfer.transport.verbs.build as build  # absolute: `from . import` depends on verbs/__init__
 import pdxfer.transport.verbs.wire as verbs_wire
 
+from .. import closing
 from ..control import ControlInbound
-from ..errors import ClosedError, PeerLostError, ProtocolError, TransportError
+from ..errors import ClosedError, CloseError, PeerLostError, ProtocolError, TransportError
 from ..inbound import InboundTable
 from ..listener import Slot
 from ..regions import Region
@@ -259,26 +260,54 @@ class InboundPeer(ControlInbound):
         """Close every MR of this link (lock held): returns when no packet can land through them.
 
         Under fence="qp" the MRs are the engine's, shared: nothing is closed here.
+        Total: an MR whose close raised stays (the next `revoke` retries it),
+        the others are closed anyway; one `CloseError` names each that failed.
         """
-        for mr, _, ours in self._mrs.values():
+        def close(rid: int) -> None:
+            mr, _, ours = self._mrs[rid]
             if ours:
                 mr.close()
-        self._mrs.clear()
+            del self._mrs[rid]
+
+        closing.each(f"verbs link from {self.sender}: its MRs", list(self._mrs), close,
+                     name=lambda rid: f"MR of region {rid}")
 
     def stop_path(self) -> None:
-        """QPs to ERR, every MR of this link closed (no DMA after), QPs destroyed; then let the regions go."""
+        """QPs to ERR, every MR of this link closed (no DMA after), QPs destroyed; then let the regions go.
+
+        Every step runs even if an earlier one raised (one `CloseError` naming
+        each); what failed to close is kept, so the next fence retries it.
+        """
         api = self._dev.api
+        failures: list[tuple[str, BaseException]] = []
+
+        def attempt(what: str, step: Any) -> bool:
+            try:
+                step()
+            except Exception as exc:  # collected: the next step runs anyway
+                failures.append((what, exc))
+                return False
+            return True
+
+        def to_err(qp: Any) -> None:
+            try:
+                qp.modify(*build.err_attr(api))
+            except api.PyverbsError as exc:  # a QP already in ERR: nothing to stop
+                log.warning("verbs: moving a QP of %s to ERR failed: %s", self.sender, exc)
+
         with self.lock:
             for qp in self.qps:
-                try:
-                    qp.modify(*build.err_attr(api))
-                except api.PyverbsError as exc:
-                    log.warning("verbs: moving a QP of %s to ERR failed: %s", self.sender, exc)
-            self.revoke()
-            for obj in (*self.qps, self._slots_mr, self.cq):
-                if obj is not None:
-                    obj.close()
-            self.qps, self.cq, self._slots_mr = [], None, None
+                attempt("moving a QP to ERR", lambda qp=qp: to_err(qp))
+            attempt("closing the link's MRs", self.revoke)
+            self.qps = [qp for qp in self.qps if not attempt("destroying a QP", qp.close)]
+            if self._slots_mr is not None and attempt("closing the slots MR", self._slots_mr.close):
+                self._slots_mr = None
+            if self.cq is not None and attempt("destroying the CQ", self.cq.close):
+                self.cq = None
             regions, self._regions = list(self._regions.values()), {}
         for region in regions:  # their children for this link are closed already: forget them
-            region.drop(("verbs-link", self.serial))
+            attempt("forgetting a region's link MR", lambda region=region: region.drop(
+                ("verbs-link", self.serial)))
+        if failures:
+            raise CloseError(f"verbs link from {self.sender}: stopping its data path",
+                             failures) from failures[0][1]
