@@ -449,7 +449,7 @@ class DecodeEngine(Dials, Engine):
         fences: dict[int, tuple[PrefillPeer, list[DecodeRequest]]] = {}
         with self._lock:
             for req in self._table.running():
-                if self._apply(req, req.life.on_tick(now)) and req.session is not None:
+                if self._apply(req, req.life.on_tick(now, req.peer)) and req.session is not None:
                     fences.setdefault(id(req.session), (req.session, []))[1].append(req)
             aborting = any(r.life.phase is DPhase.ABORTING for r in self._table.running())
             orphans = [(r, r.session.engine) for r in self._table.running()

@@ -16,11 +16,14 @@ import json
 import logging
 import shutil
 import signal
+import socket
 import time
 from pathlib import Path
 
 import pytest
+from pdxfer_testkit import build_pools, config
 
+from pdxfer import DecodeEngine, RequestFailed
 from pdxfer.directory import (
     DirectoryError,
     EtcdDirectory,
@@ -287,3 +290,16 @@ def test_an_etcd_rebuilt_from_nothing_at_the_same_url_is_relisted(own_etcd, clus
         if new_writer is not None:
             new_writer.close()
         client.close()
+
+
+
+def test_a_record_whose_address_never_answers_fails_naming_that_address() -> None:
+    # a listener whose kernel completes TCP handshakes (its backlog) and that never reads or
+    # writes: the request fails by its own timeout, and the reason says which prefill stalled
+    with socket.create_server(("127.0.0.1", 0), backlog=8) as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        with DecodeEngine(build_pools(64, 16), config("tcp", timeout=1.0)) as decode:
+            decode.expect("r1", PeerRecord.at(address), {"kv": [1]})
+            with pytest.raises(RequestFailed, match=rf"timed out: no progress for 1.0 s while "
+                                                    rf"Bootstrapping \(prefill at {address}\)"):
+                decode.wait("r1", WAIT)
