@@ -5,6 +5,7 @@ Keys, under one cluster id (the namespace: `MC_METADATA_CLUSTER_ID` /
 
     /pdx/<cluster>/v1/<model>/<role>/peers/<instance>/<dp>/<tp>  record (JSON), on the process's lease
     /pdx/<cluster>/v1/<model>/<role>/layouts/<fingerprint>       description (JSON), put-if-absent, no lease
+    /pdx/<cluster>/v1/epoch                                      this store's random id, put-if-absent, no lease
 
 A process follows the (model, role) pairs it routes to — a decode or a router
 follows `<model>/prefill/` — with one list and one watch each, never the
