@@ -303,7 +303,17 @@ def check_record(slot: Slot, record: PeerRecord) -> None:
     if not isinstance(record, PeerRecord) or record.slot != slot:
         raise DirectoryError(f"register({slot.path()}): the record must be a PeerRecord for that "
                              f"slot, got {record!r:.200}")
-    # what a peer would refuse is refused here, before anything is written: the same bounds
+    # what a peer would refuse is refused here, before anything is written: the same bounds.
+    # A static record (a bare address, no engine id) is never stored nor decoded: not checked.
+    if record.engine is not None:
+        _check_readable(slot, record)
+    if slot.tp >= record.tp_size or slot.dp >= record.dp_size:
+        raise DirectoryError(f"register({slot.path()}): rank outside the record's sizes "
+                             f"(tp_size {record.tp_size}, dp_size {record.dp_size})")
+
+
+def _check_readable(slot: Slot, record: PeerRecord) -> None:
+    """`record` encodes, and decodes back under every bound a peer applies; or `DirectoryError`."""
     try:
         value = record.encode()
     except (TypeError, ValueError) as exc:
@@ -314,6 +324,3 @@ def check_record(slot: Slot, record: PeerRecord) -> None:
     except RecordError as exc:
         raise DirectoryError(f"register({slot.path()}): a peer would refuse this record: "
                              f"{exc}") from exc
-    if slot.tp >= record.tp_size or slot.dp >= record.dp_size:  # decode checked it; kept as a net
-        raise DirectoryError(f"register({slot.path()}): rank outside the record's sizes "
-                             f"(tp_size {record.tp_size}, dp_size {record.dp_size})")
