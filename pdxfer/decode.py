@@ -512,7 +512,7 @@ class DecodeEngine(Engine):
         close, wake = self._dials.tick(now)  # first: a request never connected says so, not "timed out"
         with self._transition():  # the fences it asks for run as it ends, one per prefill
             for req in self._pop_due(now):  # only what is due: #29.6
-                self._apply(req, req.life.on_tick(now))
+                self._apply(req, req.life.on_tick(now, req.peer))
             due = self._due[0][0] - now if self._due else math.inf
             held = list(self._settling.values())
             orphans = [(r, r.session.engine) for r in held

@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from .errors import DirectoryError, SlotTakenError
+from .errors import DirectoryError, RecordError, SlotTakenError
 from .records import PeerRecord, Slot, check_name
 
 log = logging.getLogger("pdxfer.directory")
@@ -58,6 +58,7 @@ class DirectoryHealth:
     revision: int  # the store revision the view reflects (0 where there is no store)
     since: float  # time.monotonic() of the last change of `connected`
     reason: str = ""  # why not connected
+    skipped: int = 0  # stored values refused as unreadable so far (each skipped, none fatal)
 
     @property
     def degraded(self) -> bool:
@@ -164,7 +165,8 @@ class PeerDirectory(ABC):
         if len(sizes) != 1:
             return None
         tp_size = next(iter(sizes))[0]
-        if sorted(ranks) != list(range(tp_size)):
+        # count first: the size comes from a record, so never build a list of it
+        if len(ranks) != tp_size or any(not 0 <= t < tp_size for t in ranks):
             return None
         return [ranks[t] for t in range(tp_size)]
 
@@ -301,6 +303,24 @@ def check_record(slot: Slot, record: PeerRecord) -> None:
     if not isinstance(record, PeerRecord) or record.slot != slot:
         raise DirectoryError(f"register({slot.path()}): the record must be a PeerRecord for that "
                              f"slot, got {record!r:.200}")
+    # what a peer would refuse is refused here, before anything is written: the same bounds.
+    # A static record (a bare address, no engine id) is never stored nor decoded: not checked.
+    if record.engine is not None:
+        _check_readable(slot, record)
     if slot.tp >= record.tp_size or slot.dp >= record.dp_size:
         raise DirectoryError(f"register({slot.path()}): rank outside the record's sizes "
                              f"(tp_size {record.tp_size}, dp_size {record.dp_size})")
+
+
+def _check_readable(slot: Slot, record: PeerRecord) -> None:
+    """`record` encodes, and decodes back under every bound a peer applies; or `DirectoryError`."""
+    try:
+        value = record.encode()
+    except (TypeError, ValueError) as exc:
+        raise DirectoryError(f"register({slot.path()}): the record does not encode as JSON "
+                             f"(meta must hold JSON values): {exc}") from exc
+    try:
+        PeerRecord.decode(slot, value)
+    except RecordError as exc:
+        raise DirectoryError(f"register({slot.path()}): a peer would refuse this record: "
+                             f"{exc}") from exc

@@ -46,6 +46,10 @@ _PAGE = 1000  # keys per range page
 _STALE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
 
 
+class AnswerTooLarge(DirectoryUnavailable):
+    """An answer over `MAX_MESSAGE` bytes (a range page of huge values): ask for less."""
+
+
 def _b64(data: bytes | str) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
@@ -69,8 +73,32 @@ class KeyValue:
     lease: int
 
 
+@dataclass(frozen=True)
+class Header:
+    """The part of an answer's header that says which store answered, and how far it is."""
+
+    revision: int
+    cluster_id: str
+
+
+def _header(answer: dict) -> Header:
+    h = answer.get("header", {})
+    return Header(int(h.get("revision", 0)), str(h.get("cluster_id", "")))
+
+
+def _key(raw: bytes) -> str:
+    # Keys are bytes to etcd; anyone may write one that is not UTF-8. Decoded with
+    # surrogateescape it still reads (and fails every name check) and encodes back exactly.
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def key_bytes(key: str) -> bytes:
+    """A key as etcd stores it (the inverse of how keys are read: surrogateescape)."""
+    return key.encode("utf-8", "surrogateescape")
+
+
 def _kv(d: dict) -> KeyValue:
-    return KeyValue(_unb64(d["key"]).decode(), _unb64(d.get("value", "")),
+    return KeyValue(_key(_unb64(d["key"])), _unb64(d.get("value", "")),
                     int(d.get("mod_revision", 0)), int(d.get("create_revision", 0)),
                     int(d.get("lease", 0)))
 
@@ -136,13 +164,15 @@ class EtcdClient:
                         break  # never sent: the next member may answer
                     raise DirectoryUnavailable(f"etcd {path} failed: {'; '.join(errors)}") from exc
                 self._current = (self._current + i) % len(self.endpoints)
+                if len(data) > MAX_MESSAGE:
+                    self._drop(conn)  # the rest of the answer is still unread on it
                 return self._answer(host, port, path, resp.status, data)
         raise DirectoryUnavailable(f"etcd {path} failed: {'; '.join(errors)}")
 
     @staticmethod
     def _answer(host: str, port: int, path: str, status: int, data: bytes) -> dict:
         if len(data) > MAX_MESSAGE:
-            raise DirectoryUnavailable(f"etcd {host}:{port} {path}: answer over {MAX_MESSAGE} B")
+            raise AnswerTooLarge(f"etcd {host}:{port} {path}: answer over {MAX_MESSAGE} B")
         try:
             answer = json.loads(data) if data else {}
         except ValueError as exc:
@@ -184,25 +214,48 @@ class EtcdClient:
 
     # -- kv ---------------------------------------------------------------------------------
     def range(self, prefix: str) -> tuple[int, list[KeyValue]]:
-        """Every key under `prefix`, as one snapshot: (revision, key-values), paged."""
+        """Every key under `prefix`, as one snapshot: (revision, key-values), paged.
+
+        A page over `MAX_MESSAGE` (someone stored huge values) is asked for
+        again with half the keys, down to one: a single etcd value is at
+        most its request limit (1.5 MiB by default), so a listing always
+        completes and the directory refuses those values one by one.
+        """
         end = _b64(prefix_end(prefix))
         body: dict[str, Any] = {"key": _b64(prefix), "range_end": end, "limit": _PAGE}
         out: list[KeyValue] = []
         revision = 0
         while True:
-            answer = self.call("kv/range", body)
+            try:
+                answer = self.call("kv/range", body)
+            except AnswerTooLarge:
+                if body["limit"] == 1:
+                    raise
+                body = {**body, "limit": max(1, body["limit"] // 2)}
+                continue
             revision = revision or int(answer["header"]["revision"])
             kvs = [_kv(d) for d in answer.get("kvs", [])]
             out += kvs
             if not answer.get("more") or not kvs:
                 return revision, out
             # next page: after the last key, at the first page's revision (one snapshot)
-            body = {"key": _b64(kvs[-1].key.encode() + b"\0"), "range_end": end, "limit": _PAGE,
+            body = {"key": _b64(key_bytes(kvs[-1].key) + b"\0"), "range_end": end,
+                    "limit": body["limit"],
                     "revision": revision}
 
     def get(self, key: str) -> KeyValue | None:
         kvs = self.call("kv/range", {"key": _b64(key)}).get("kvs", [])
         return _kv(kvs[0]) if kvs else None
+
+    def probe(self, key: str) -> tuple[Header, KeyValue | None]:
+        """A linearizable read of one key: which store answered, its revision, and the key.
+
+        Linearizable (etcd's default): a member cut off from its quorum does
+        not answer, so an answer means the cluster is there and current.
+        """
+        answer = self.call("kv/range", {"key": _b64(key)})
+        kvs = answer.get("kvs", [])
+        return _header(answer), (_kv(kvs[0]) if kvs else None)
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         """Write `key`; the revision it got."""
@@ -266,7 +319,12 @@ class EtcdClient:
 
 
 def event_key(event: dict) -> str:
-    return _unb64(event["kv"]["key"]).decode()
+    return _key(_unb64(event["kv"]["key"]))
+
+
+def message_header(message: dict) -> Header:
+    """The header of a watch message (revision, cluster id)."""
+    return _header(message)
 
 
 def event_value(event: dict) -> bytes:

@@ -23,6 +23,7 @@ stale `ram/` entries with old addresses are the cautionary tale.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,16 @@ RECORD_FORMAT = 1
 # these is not ours, and is refused before it is parsed.
 MAX_RECORD = 64 << 10
 MAX_LAYOUT = 1 << 20
+# Nesting a value may have (a record is 3 deep, a description 5): checked
+# before json parses it, whose recursion a 5,000-deep value would exhaust.
+MAX_DEPTH = 32
+# Every number a stored value carries is bounded (docs/directory.md, "What a
+# record holds"): a size drives loops and lists in `group`/`instances`, so a
+# record claiming tp_size 2**40 must be refused, not believed.
+MAX_RANKS = 4096  # tp_size, dp_size (and a slot's tp, dp below them)
+MAX_PROTOCOL = 65535
+MAX_POOLS = 256
+MAX_TEXT = 256  # address, engine id, transport, pool names, fingerprints
 ROLES = ("prefill", "decode")
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
@@ -65,8 +76,8 @@ class Slot:
             raise DirectoryError(f"Slot.role must be one of {ROLES}, got {self.role!r}")
         for name in ("dp", "tp"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise DirectoryError(f"Slot.{name} must be an int >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_RANKS:
+                raise DirectoryError(f"Slot.{name} must be an int in 0..{MAX_RANKS - 1}, got {value!r}")
 
     def path(self) -> str:
         """The slot's key below a directory's root: `<model>/<role>/peers/<instance>/<dp>/<tp>`."""
@@ -76,8 +87,12 @@ class Slot:
     def from_path(cls, path: str) -> Slot:
         """The inverse of `path()`, or `RecordError` naming the key."""
         parts = path.split("/")
-        if len(parts) != 6 or parts[2] != "peers" or not parts[4].isdigit() or not parts[5].isdigit():
-            raise RecordError(f"key {path!r} is not <model>/<role>/peers/<instance>/<dp>/<tp>")
+        # ASCII digits only: str.isdigit() also accepts '²', which int() then refuses
+        if (len(parts) != 6 or parts[2] != "peers"
+                or not all(p.isascii() and p.isdigit() and len(p) <= len(str(MAX_RANKS))
+                           and (p == "0" or p[0] != "0") for p in parts[4:])):
+            raise RecordError(f"key {path!r} is not <model>/<role>/peers/<instance>/<dp>/<tp> "
+                              "(ranks in ASCII digits, no leading zeros)")
         try:
             return cls(parts[0], parts[1], parts[3], int(parts[4]), int(parts[5]))
         except DirectoryError as exc:
@@ -126,15 +141,9 @@ class PeerRecord:
             got = d.get("format") if isinstance(d, dict) else type(d).__name__
             raise RecordError(f"{where} has format {got!r}, this pdxfer reads {RECORD_FORMAT}; "
                               "upgrade the older side")
-        ok = (isinstance(d.get("address"), str) and isinstance(d.get("engine"), str)
-              and isinstance(d.get("transport"), (str, type(None)))
-              and all(type(d.get(k)) is int and d[k] >= 1 for k in ("tp_size", "dp_size"))
-              and isinstance(d.get("layouts"), dict)
-              and all(isinstance(k, str) and isinstance(v, str) for k, v in d["layouts"].items())
-              and isinstance(d.get("protocol"), (int, type(None)))
-              and isinstance(d.get("meta"), dict))
-        if not ok:
-            raise RecordError(f"{where} is malformed: {d!r:.300}")
+        problem = check_fields(d)
+        if problem:
+            raise RecordError(f"{where} is malformed: {problem}")
         if slot.tp >= d["tp_size"] or slot.dp >= d["dp_size"]:
             raise RecordError(f"{where}: rank (dp {slot.dp}, tp {slot.tp}) outside its own sizes "
                               f"(dp {d['dp_size']}, tp {d['tp_size']})")
@@ -142,13 +151,88 @@ class PeerRecord:
                    d["layouts"], d["protocol"], d["meta"])
 
 
+def check_fields(d: Mapping[str, Any]) -> str | None:
+    """What is wrong with a record's fields (a stored or a registered one), or None.
+
+    Every bound is checked here, once, for both directions: a registration is
+    refused with what `decode` would refuse, so nothing is written that a peer
+    could not read back.
+    """
+    def text(name: str, optional: bool = False) -> str | None:
+        v = d.get(name)
+        if v is None and optional:
+            return None
+        if not isinstance(v, str) or not 0 < len(v) <= MAX_TEXT:
+            return f"{name} must be a string of 1..{MAX_TEXT} characters, got {v!r:.80}"
+        return None
+
+    for name, optional in (("address", False), ("engine", False), ("transport", True)):
+        if (problem := text(name, optional)) is not None:
+            return problem
+    if (problem := address_problem(d["address"])) is not None:
+        return problem
+    for name in ("tp_size", "dp_size"):
+        v = d.get(name)
+        if type(v) is not int or not 1 <= v <= MAX_RANKS:
+            return f"{name} must be an int in 1..{MAX_RANKS}, got {v!r:.80}"
+    protocol = d.get("protocol")
+    if protocol is not None and (type(protocol) is not int or not 0 <= protocol <= MAX_PROTOCOL):
+        return f"protocol must be null or an int in 0..{MAX_PROTOCOL}, got {protocol!r:.80}"
+    layouts = d.get("layouts")
+    if not isinstance(layouts, Mapping) or len(layouts) > MAX_POOLS:
+        return (f"layouts must be an object of at most {MAX_POOLS} pool -> fingerprint, got "
+                f"{type(layouts).__name__} of {len(layouts) if isinstance(layouts, Mapping) else '?'}")
+    for k, v in layouts.items():
+        if not all(isinstance(x, str) and 0 < len(x) <= MAX_TEXT for x in (k, v)):
+            return f"layouts must map pool names to fingerprints (strings of 1..{MAX_TEXT}), got {k!r:.80}: {v!r:.80}"
+    if not isinstance(d.get("meta"), Mapping):
+        return f"meta must be an object, got {type(d.get('meta')).__name__}"
+    return None
+
+
+def address_problem(address: str) -> str | None:
+    """Why `address` is not `host:port` (or `[v6]:port`) with a port 1..65535; None if it is."""
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        return f"address must be 'host:port' with a port 1..65535, got {address!r:.80}"
+    return None
+
+
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def _depth(text: str) -> int:
+    """How deep `text`'s arrays and objects nest (strings skipped), without parsing it."""
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(_STRINGS.sub("", text)):
+        if bracket in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _load(where: str, value: bytes, limit: int) -> Any:
-    """A stored JSON value, refused (`RecordError`, naming `where`) past `limit` bytes or unparsable."""
+    """A stored JSON value, refused (`RecordError`, naming `where`) past `limit` bytes or `MAX_DEPTH`
+    levels, or unparsable; never any other exception."""
     if len(value) > limit:
         raise RecordError(f"{where} is {len(value)} B, over the {limit} B limit")
     try:
-        return json.loads(value)
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecordError(f"{where} is not JSON: not UTF-8 ({exc})") from exc
+    if (deep := _depth(text)) > MAX_DEPTH:
+        raise RecordError(f"{where} nests {deep} levels deep, over the {MAX_DEPTH} limit")
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
         raise RecordError(f"{where} is not JSON: {exc}") from exc
 
 
@@ -185,6 +269,9 @@ def decode_layout(fingerprint: str, value: bytes) -> dict:
     try:
         if layout.fingerprint(desc) != fingerprint:
             raise RecordError(f"layout stored under {fingerprint} has another fingerprint")
-    except (TypeError, KeyError, ValueError, AttributeError, layout.LayoutError) as exc:
-        raise RecordError(f"layout {fingerprint} is not a layout description: {exc}") from exc
+    except RecordError:
+        raise
+    except Exception as exc:  # noqa: BLE001 — whatever a hostile description trips (msgpack's
+        # OverflowError on a huge int included) is that description's fault, named as such
+        raise RecordError(f"layout {fingerprint} is not a layout description: {exc!r:.200}") from exc
     return desc

@@ -68,7 +68,7 @@ def engine_config(text: str | None, **defaults: Any) -> EngineConfig:
     if text:
         try:
             given = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # ValueError: also a >4,300-digit number
             raise ConfigError(f"{CONFIG_ENV} is not JSON ({exc}); set it to an object such as "
                               '{"transport": "tcp", "timeout": 10}') from exc
         if not isinstance(given, dict):
@@ -77,6 +77,16 @@ def engine_config(text: str | None, **defaults: Any) -> EngineConfig:
     if unknown:
         raise ConfigError(f"{CONFIG_ENV} has unknown key(s) {unknown}; EngineConfig fields: "
                           f"{sorted(fields)}")
+    for key, value in given.items():
+        # JSON integers are unbounded; EngineConfig's checks compare them with floats, which
+        # a 400-digit one overflows (OverflowError, not a refusal): refused here, named
+        if isinstance(value, int) and not isinstance(value, bool):
+            try:
+                float(value)
+            except OverflowError:
+                raise ConfigError(f"{CONFIG_ENV}: {key} is an integer of {len(str(value))} digits, "
+                                  f"past any float; give seconds as a number such as 10 (for "
+                                  f"'no limit', a large one such as 1e6)") from None
     chosen = {k: v() if callable(v) else v for k, v in defaults.items() if k not in given}
     return EngineConfig(**chosen, **given)
 
@@ -91,6 +101,9 @@ def buffer_fields(name: str, item_lens: Sequence[int], *, rows: int = 1) -> list
     head counts themselves.
     Fields are named `name` (one run) or `name0`, `name1`, ... in order.
     """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ConfigError(f"{name}: rows must be an int >= 1 (the rows one item spans: a page's "
+                          f"tokens, or 1), got {rows!r}")
     items = [int(n) for n in item_lens]
     if not items:
         raise ConfigError(f"{name}: the engine handed over no buffers")

@@ -141,6 +141,11 @@ def group_pools(kv_caches: Mapping[str, Any], groups: Sequence[Sequence[str]],
     for g, names in enumerate(groups):
         fields: dict[tuple, list[torch.Tensor]] = {}
         for name in names:
+            if name not in kv_caches:
+                raise ConfigError(f"cache group {g} names layer {name!r}, which the registered "
+                                  f"caches lack (they have {sorted(kv_caches)[:8]}"
+                                  f"{' ...' if len(kv_caches) > 8 else ''}); every group's layers "
+                                  "must be among those handed to register_kv_caches")
             for v in block_views(kv_caches[name], num_blocks):
                 fields.setdefault((tuple(v.shape[1:]), v.dtype), []).append(v)
         pools[f"g{g}"] = layout.PerLayerArena({f"f{j}": ts for j, ts in enumerate(fields.values())})

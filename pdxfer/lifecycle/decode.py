@@ -246,8 +246,11 @@ class DecodeLife:
             return []
         return self._final("released from quarantine: the prefill's connections are closed")
 
-    def on_tick(self, now: float) -> list:
-        """No progress within the wait: abort; no AbortAck within the grace: fence."""
+    def on_tick(self, now: float, peer: str | None = None) -> list:
+        """No progress within the wait: abort; no AbortAck within the grace: fence.
+
+        `peer`: the prefill's address, named in a timeout (a stalled peer is found by it).
+        """
         if self.deadline > now:
             return []
         if self.phase is DPhase.ABORTING:
@@ -258,7 +261,7 @@ class DecodeLife:
             return self._fence(f"{why}; fenced it")
         if self.phase in (DPhase.DIALING, DPhase.EXPECTED, DPhase.RECEIVING):
             msg = (f"request {self.id!r} timed out: no progress for {self.timing.wait} s while "
-                   f"{self.poll.name}")
+                   f"{self.poll.name}" + (f" (prefill at {peer})" if peer else ""))
             return self.on_abort(msg, now, TransferTimeout(msg))
         return []
 
