@@ -105,7 +105,7 @@ class UcxEngine(EngineBase):
                 self.progress.call(_current_cuda_device)
             self.progress.call(lambda: self.progress.adopt(self.worker))
             self.host = Host(self.engine_id, self.progress, self.context, self.regions,
-                             self.connect_timeout)
+                             self.connect_timeout, self.worker_address)
             self.link_regions = LinkRegions(self.regions, self.inbound, UcxInbound)
             self.listen(host, port, max_pending)
         except BaseException:

@@ -71,9 +71,10 @@ class Host:
     """What an inbound link needs of its engine: the progress thread, the UCX context, the regions."""
 
     def __init__(self, engine_id: str, progress: Progress, context: Any, regions: Any,
-                 timeout: float) -> None:
+                 timeout: float, address: bytes) -> None:
         self.engine_id, self.progress, self.context = engine_id, progress, context
         self.regions, self.timeout = regions, timeout
+        self.address = address  # the engine's sending worker's: our UCX's address format
 
 
 class UcxInbound(ControlInbound):
@@ -98,8 +99,10 @@ class UcxInbound(ControlInbound):
 
     # -- setup (the control thread) -----------------------------------------------------
     def admit(self, hello: Hello) -> Welcome:
-        self.identify(hello.engine, f"{hello.engine}#{self.serial}")
         host = self.host
+        # before anything is made for it: an address UCX could crash on never reaches UCX
+        lib.check_address(hello.worker, hello.worker_sum, host.address, f"the hello of {hello.engine!r}")
+        self.identify(hello.engine, f"{hello.engine}#{self.serial}")
         address = host.progress.ask(lambda: self._make_worker(hello.worker), host.timeout,
                                     "creating a UCX worker")
         deliverer = threading.Thread(target=self._deliver_loop, daemon=True,
@@ -112,7 +115,8 @@ class UcxInbound(ControlInbound):
                 raise PeerLostError("link fenced during its handshake")
             deliverer.start()
             self._deliverer = deliverer
-        return Welcome(host.engine_id, address, region_rows(host.regions.live()), self.incarnation)
+        return Welcome(host.engine_id, address, lib.address_sum(address),
+                       region_rows(host.regions.live()), self.incarnation)
 
     def _make_worker(self, sender: bytes) -> bytes:
         """A worker for this link (progressed from now on) and its endpoint to the sender's; its address.
