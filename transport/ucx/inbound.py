@@ -96,6 +96,7 @@ class UcxInbound(ControlInbound):
         self._ready: collections.deque[int] = collections.deque()  # landed, notify not yet delivered
         self._cond = threading.Condition(self._lock)
         self._deliverer: threading.Thread | None = None
+        self._failing = False  # a receive failed: the link is being fenced (`_fail`)
 
     # -- setup (the control thread) -----------------------------------------------------
     def admit(self, hello: Hello) -> Welcome:
@@ -233,9 +234,28 @@ class UcxInbound(ControlInbound):
             self._cond.notify()
 
     def _fail(self) -> None:
-        # Not the fence itself (this may be the progress thread, which the fence waits for):
-        # hanging up ends the control thread, which fences the link.
-        threading.Thread(target=self.fence, daemon=True, name=f"ucx-fence {self.sender}").start()
+        # Not the fence itself (this may be the progress thread, which the fence waits for).
+        with self._lock:
+            if self._failing:
+                return  # one thread per link: every receive after the first may fail too
+            self._failing = True
+        threading.Thread(target=self._fail_link, daemon=True, name=f"ucx-fence {self.sender}").start()
+
+    def _fail_link(self) -> None:
+        """A receive failed: fence the link — where it cannot settle by itself, after its sender spoke.
+
+        A receive fails when the sender died, and its control connection then
+        ends too, a moment later: that end without a `Bye` is the proof of
+        death a link of `tls="all"` needs to settle. Fenced first, the link
+        closed that socket before the proof arrived and stayed unproven for
+        good (#35.6: 6 of 14 SIGKILLs). So such a link first lets its control
+        thread end by itself (EOF, or a live sender's `Bye`), bounded by the
+        engine's timeout; a link we fence settles anyway.
+        """
+        if not self.self_settles:
+            self.join(self.host.timeout)
+        if not self.dead:
+            self.fence()
 
     # -- delivery (this link's own thread) ------------------------------------------------------------
     def _deliver_loop(self) -> None:
