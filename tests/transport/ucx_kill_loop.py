@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
+import pdxfer.transport.ucx  # noqa: E402,F401  (UCXX loaded before the forks)
 import torch  # noqa: E402
 
-import pdxfer.transport.ucx  # noqa: E402,F401  (UCXX loaded before the forks)
 from pdxfer import transport  # noqa: E402
 
 
