@@ -360,6 +360,9 @@ class ControlInbound(InboundLink):
         # sender's dial reads exactly one frame, the Welcome, and any other first frame fails it.
         self._welcomed = False
         self._early: list[Any] = []
+        # Set (in `cut`) just before we shut the socket down ourselves: an end of stream read
+        # before it is the sender's, whether or not a fence of ours is already under way.
+        self._cut_here = False
 
     # -- backend hooks ------------------------------------------------------------
     def admit(self, hello: Any) -> Any:
@@ -421,8 +424,10 @@ class ControlInbound(InboundLink):
                 elif not self.on_frame(msg):
                     raise ProtocolError(f"unexpected {type(msg).TYPE} from sender {self.sender}")
         except (TransportError, OSError) as exc:
-            if isinstance(exc, PeerLostError) and not self.dead and self.sender is not None:
+            if isinstance(exc, PeerLostError) and not self._cut_here and self.sender is not None:
                 # Its side closed without a Bye, which our senders never do while alive: it died.
+                # Taken even when a fence of ours began first (a receive that failed as the sender
+                # died, #35.6): the proof does not depend on which of the two we saw first.
                 self.peer_gone = True
             if not self.dead and not isinstance(exc, PeerLostError):
                 log.warning("%s link from %s (%s) dropped: %s", self.table.name, self.sender,
@@ -548,6 +553,7 @@ class ControlInbound(InboundLink):
     def cut(self) -> None:
         try:
             self.stop_path()
+            self._cut_here = True
         finally:  # the control socket goes even if the data path's stop raised (#29 item 4)
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)

@@ -235,8 +235,11 @@ class InboundTable:
         return True
 
     def forget(self, link: InboundLink) -> None:
+        """`link` settled: drop it, and its name from the unproven (a proof that came late counts)."""
         with self._lock:
             self._links.discard(link)
+            if link.sender is not None and link.incarnation is not None:
+                self._unproven.pop((link.sender, link.incarnation), None)
 
     def of(self, sender: str) -> list[InboundLink]:
         """The live links `sender` has into this engine."""

@@ -34,7 +34,7 @@ from ..base import Capabilities
 from ..control import LinkRegions
 from ..dial import tune
 from ..engine import EngineBase
-from ..errors import CapabilityError
+from ..errors import CapabilityError, TransportError
 from ..link import Link
 from ..listener import DEFAULT_MAX_PENDING, Slot
 from ..regions import Region
@@ -99,18 +99,25 @@ class UcxEngine(EngineBase):
         self.context = lib.context(tls, self.device)
         self.worker = lib.worker(self.context)
         self.worker_address = lib.worker_address(self.worker)
-        self.progress = Progress(self.engine_id)
+        self.progress = Progress(self.engine_id, on_failure=self._ucx_failed)
         try:
             if self.capabilities.cuda_memory and torch.cuda.is_available():
                 self.progress.call(_current_cuda_device)
             self.progress.call(lambda: self.progress.adopt(self.worker))
             self.host = Host(self.engine_id, self.progress, self.context, self.regions,
-                             self.connect_timeout)
+                             self.connect_timeout, self.worker_address)
             self.link_regions = LinkRegions(self.regions, self.inbound, UcxInbound)
             self.listen(host, port, max_pending)
         except BaseException:
             self.progress.stop()
             raise
+
+    def _ucx_failed(self, error: TransportError) -> None:
+        """The UCX thread died (`Progress._failed`): every link fails with its error, now."""
+        for link in self.outbound.links():
+            link.sever(error)
+        for inbound in self.inbound.links():
+            inbound.fence()  # its worker is never progressed again: the thread is gone
 
     def why_no_fence(self) -> str:
         return ("with UCX's full transport list (tls='all') a copy UCX started (cuda_ipc, cma) "

@@ -71,9 +71,10 @@ class Host:
     """What an inbound link needs of its engine: the progress thread, the UCX context, the regions."""
 
     def __init__(self, engine_id: str, progress: Progress, context: Any, regions: Any,
-                 timeout: float) -> None:
+                 timeout: float, address: bytes) -> None:
         self.engine_id, self.progress, self.context = engine_id, progress, context
         self.regions, self.timeout = regions, timeout
+        self.address = address  # the engine's sending worker's: our UCX's address format
 
 
 class UcxInbound(ControlInbound):
@@ -95,11 +96,14 @@ class UcxInbound(ControlInbound):
         self._ready: collections.deque[int] = collections.deque()  # landed, notify not yet delivered
         self._cond = threading.Condition(self._lock)
         self._deliverer: threading.Thread | None = None
+        self._failing = False  # a receive failed: the link is being fenced (`_fail`)
 
     # -- setup (the control thread) -----------------------------------------------------
     def admit(self, hello: Hello) -> Welcome:
-        self.identify(hello.engine, f"{hello.engine}#{self.serial}")
         host = self.host
+        # before anything is made for it: an address UCX could crash on never reaches UCX
+        lib.check_address(hello.worker, hello.worker_sum, host.address, f"the hello of {hello.engine!r}")
+        self.identify(hello.engine, f"{hello.engine}#{self.serial}")
         address = host.progress.ask(lambda: self._make_worker(hello.worker), host.timeout,
                                     "creating a UCX worker")
         deliverer = threading.Thread(target=self._deliver_loop, daemon=True,
@@ -112,7 +116,8 @@ class UcxInbound(ControlInbound):
                 raise PeerLostError("link fenced during its handshake")
             deliverer.start()
             self._deliverer = deliverer
-        return Welcome(host.engine_id, address, region_rows(host.regions.live()), self.incarnation)
+        return Welcome(host.engine_id, address, lib.address_sum(address),
+                       region_rows(host.regions.live()), self.incarnation)
 
     def _make_worker(self, sender: bytes) -> bytes:
         """A worker for this link (progressed from now on) and its endpoint to the sender's; its address.
@@ -229,9 +234,28 @@ class UcxInbound(ControlInbound):
             self._cond.notify()
 
     def _fail(self) -> None:
-        # Not the fence itself (this may be the progress thread, which the fence waits for):
-        # hanging up ends the control thread, which fences the link.
-        threading.Thread(target=self.fence, daemon=True, name=f"ucx-fence {self.sender}").start()
+        # Not the fence itself (this may be the progress thread, which the fence waits for).
+        with self._lock:
+            if self._failing:
+                return  # one thread per link: every receive after the first may fail too
+            self._failing = True
+        threading.Thread(target=self._fail_link, daemon=True, name=f"ucx-fence {self.sender}").start()
+
+    def _fail_link(self) -> None:
+        """A receive failed: fence the link — where it cannot settle by itself, after its sender spoke.
+
+        A receive fails when the sender died, and its control connection then
+        ends too, a moment later: that end without a `Bye` is the proof of
+        death a link of `tls="all"` needs to settle. Fenced first, the link
+        closed that socket before the proof arrived and stayed unproven for
+        good (#35.6: 6 of 14 SIGKILLs). So such a link first lets its control
+        thread end by itself (EOF, or a live sender's `Bye`), bounded by the
+        engine's timeout; a link we fence settles anyway.
+        """
+        if not self.self_settles:
+            self.join(self.host.timeout)
+        if not self.dead:
+            self.fence()
 
     # -- delivery (this link's own thread) ------------------------------------------------------------
     def _deliver_loop(self) -> None:

@@ -20,6 +20,15 @@ A `Batch` is the requests of one transfer on one worker: its callback runs
 first error among them, if any. Completion is checked in request order and
 stops at the first unfinished one, so a pass costs one check per batch.
 
+A failure of the loop itself (UCX raising out of `progress`, a bug of
+ours: anything but what a queued call or a callback raised, which is
+logged and survived) ends the thread the same way for every waiter
+(`_failed`): the error is logged once with its traceback; every `ask`
+still waiting, every batch still tracked and every `call` after it fails
+with a `TransportError` chained to it; and the engine's `on_failure` hears
+it (off this thread), so it can fail its links' handles — none waits out
+its own timeout for a thread that is gone.
+
 `retire(worker)` is the fence's core: after it, this thread never progresses
 that worker again — so nothing lands through it — and its batches are
 dropped without their callbacks (their link is gone).
@@ -49,7 +58,7 @@ from typing import Any
 
 import pdxfer.transport.ucx.lib as lib  # absolute: `from . import` depends on ucx/__init__
 
-from ..errors import ClosedError, TransferTimeout
+from ..errors import ClosedError, TransferTimeout, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +96,13 @@ class Batch:
 class Progress:
     """An engine's UCX thread; `call`/`ask` hand it work, `stop` ends it."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str,
+                 on_failure: Callable[[TransportError], None] | None = None) -> None:
+        """`on_failure(error)`: the loop died (module docstring); called once, on a thread of its own."""
         self._name = name
+        self._on_failure = on_failure
+        self.failure: TransportError | None = None  # why the loop died, if it did
+        self._asks: dict[int, tuple[threading.Event, list]] = {}  # waiting `ask`s (under `_lock`)
         self._queue: collections.deque[Callable[[], None]] = collections.deque()
         self._workers: dict[int, Any] = {}  # id(worker) -> worker, progressed every pass
         self._batches: list[Batch] = []
@@ -114,9 +128,15 @@ class Progress:
         """
         with self._lock:
             if self._closed:
-                raise ClosedError(f"{self._name}'s UCX thread has ended")
+                raise self._ended()
             self._queue.append(fn)
         self.kick()
+
+    def _ended(self) -> ClosedError:
+        error = ClosedError(f"{self._name}'s UCX thread has ended"
+                            + (f" ({self.failure})" if self.failure is not None else ""))
+        error.__cause__ = self.failure
+        return error
 
     def ask(self, fn: Callable[[], Any], timeout: float, what: str) -> Any:
         """Run `fn` on the progress thread and return its result (or raise its error), bounded."""
@@ -132,9 +152,15 @@ class Progress:
                 box[1] = exc
             done.set()
 
-        self.call(run)
-        if not done.wait(timeout):
-            raise TransferTimeout(f"{self._name}: {what} did not finish within {timeout} s")
+        with self._lock:
+            self._asks[id(box)] = (done, box)  # failed by `_failed` if the loop dies first
+        try:
+            self.call(run)
+            if not done.wait(timeout):
+                raise TransferTimeout(f"{self._name}: {what} did not finish within {timeout} s")
+        finally:
+            with self._lock:
+                self._asks.pop(id(box), None)
         if box[1] is not None:
             raise box[1]
         return box[0]
@@ -195,6 +221,38 @@ class Progress:
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the engine's only UCX thread: nobody else would see it
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """The loop died of `exc`: log it once, fail every waiter and batch, tell the engine."""
+        log.error("%s: the UCX thread failed; every operation of this engine fails with it",
+                  self._name, exc_info=exc)
+        error = TransportError(f"{self._name}'s UCX thread failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        with self._lock:
+            self.failure = error
+            self._closed = True  # `call` and `ask` refuse from now on
+            asks, self._asks = list(self._asks.values()), {}
+            self._queue.clear()
+        for done, box in asks:
+            box[1] = error
+            done.set()
+        batches, self._batches = self._batches, []
+        self._workers.clear()
+        for batch in batches:
+            try:
+                batch.done(error)
+            except Exception:
+                log.exception("%s: a completion callback failed", self._name)
+        if self._on_failure is not None:
+            # off this thread: the engine fences and severs, and a fence may wait for this one
+            threading.Thread(target=self._on_failure, args=(error,), daemon=True,
+                             name=f"{self._name}-ucx-failed").start()
+
+    def _loop(self) -> None:
         while True:
             ran = self._run_calls()
             if self._stopping and not self._queue:

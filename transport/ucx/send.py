@@ -64,7 +64,8 @@ class UcxLink(ControlledLink):
 
     def __init__(self, ctx: LinkContext, dials: Dials, address: dict[str, Any], progress: Progress,
                  worker: Any, worker_address: bytes) -> None:
-        super().__init__(ctx, dials, address, Hello(ctx.engine_id, worker_address), "ucx")
+        super().__init__(ctx, dials, address,
+                         Hello(ctx.engine_id, worker_address, lib.address_sum(worker_address)), "ucx")
         self._progress = progress
         self._worker = worker  # the engine's sending worker (progress thread only)
         self._ep: Any = None
@@ -73,6 +74,9 @@ class UcxLink(ControlledLink):
         self._sending: list[Any] = []  # tag sends not yet seen complete (progress thread; ctx.drains)
         self._cond = threading.Condition()
         try:
+            # on the dialing thread: an address UCX could crash on fails this connect, unparsed
+            lib.check_address(self.welcome.worker, self.welcome.worker_sum, worker_address,
+                              f"the welcome of {self.what}")
             self.peer_regions = _table(self.welcome.regions)
             progress.call(self._open)
         except BaseException:

@@ -33,7 +33,11 @@ import numpy as np
 from ..control import Acks, Bye, Gone, Refresh
 from ..wire import DEFAULT_MAX_FRAME, Protocol
 
-VERSION = 2  # 2: Welcome.link, Bye.quiet (#25.1)
+# 2: Welcome.link, Bye.quiet (#25.1). 3: Hello.worker_sum, Welcome.worker_sum — UCX parses a
+# worker address without knowing its length, so one corrupted byte segfaulted the receiving
+# process; each side now sends the checksum of its address and the other refuses a mismatch
+# before UCX sees it (`lib.check_address`, #35.5).
+VERSION = 3
 # Runs per Announce frame: 16 B each, so a frame stays well under max_frame.
 MAX_ROWS = 32768
 
@@ -45,6 +49,7 @@ class Hello:
     TYPE: ClassVar[str] = "hello"
     engine: str
     worker: bytes  # the receiver's link worker opens an endpoint to it: receives are posted there
+    worker_sum: bytes  # `lib.address_sum(worker)`: checked before UCX parses the address
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class Welcome:
     TYPE: ClassVar[str] = "welcome"
     engine: str
     worker: bytes  # UCX worker address
+    worker_sum: bytes  # `lib.address_sum(worker)`
     regions: bytes  # little-endian int64 rows (region_id, length)
     link: str  # the receiver's name for this link (`Connection.incarnation`)
 

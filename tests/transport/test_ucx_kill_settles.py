@@ -1,0 +1,71 @@
+"""A ucx-all sender SIGKILLed mid-write always settles at its receiver (#35.6).
+
+`tls="all"` cannot fence (`capabilities.fence` False), so a link of it
+settles only on its sender's proof: `Bye(quiet=True)`, or its control
+connection ending without any `Bye` (the process died). A receive that
+fails as the sender dies used to fence the link first — closing that very
+socket — so the proof arriving a moment later was never read, and
+`settled()` said False for the dead sender for good: 6 of 14 kills in a
+loop, and a decode's requests stayed Quarantined forever. Here 12 senders
+in turn (forked by `ucx_kill_loop.py`, warm) keep writes in flight and are
+SIGKILLed; each must settle (on the code before the fix the first one
+failed to within a few kills: at 6 in 14, 12 kills all settling by chance is
+a 0.1 % event).
+"""
+
+from __future__ import annotations
+
+import select
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+
+from pdxfer import transport
+
+pytestmark = pytest.mark.skipif("ucx" not in transport.available(),
+                                reason="ucxx-cu12 is not installed (pip install 'pdxfer[ucx]')")
+
+HERE = Path(__file__).resolve().parent
+KILLS = 12
+MIB = 4
+SETTLE = 5.0  # per sender: its control connection's end arrives within ms of its death
+
+
+def _line(proc: subprocess.Popen, timeout: float) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"the kill loop said nothing in {timeout} s (exit code {proc.poll()})"
+    return proc.stdout.readline().decode().strip()
+
+
+@pytest.mark.timeout(400)  # 12 warm senders, each a UCX context and 16 MiB moved, on 2 busy cores
+def test_every_sigkilled_ucx_all_sender_settles_at_its_receiver() -> None:
+    with transport.create("ucx", tls="all") as rx:
+        assert not rx.capabilities.fence
+        dst = rx.register(torch.zeros(MIB << 20, dtype=torch.uint8))
+        info = {"address": rx.address(), "descriptor": dst.descriptor()}
+        proc = subprocess.Popen([sys.executable, str(HERE / "ucx_kill_loop.py"), "all", str(KILLS),
+                                 str(MIB)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            proc.stdin.write(msgpack.packb(info).hex().encode() + b"\n")
+            proc.stdin.flush()
+            for i in range(KILLS):
+                line = _line(proc, 120)
+                assert line.startswith("killed ") and line != "killed ?", line
+                sender = line.split()[1]
+                done = threading.Event()
+                deadline = time.monotonic() + SETTLE
+                while not rx.settled(sender) and time.monotonic() < deadline:
+                    done.wait(0.02)  # polled: settled() is a question, not an event
+                assert rx.settled(sender), (
+                    f"SIGKILLed sender {i + 1} of {KILLS} ({sender}) has not settled {SETTLE} s "
+                    "after its death: its requests would stay quarantined")
+            assert _line(proc, 60) == "done"
+        finally:
+            proc.kill()
+            proc.wait()
