@@ -44,22 +44,62 @@ push-mode NIXL connector has the same shape, and this follows it:
   short and the decode recomputes it (a recurrent state cannot be rewound).
 
 Configuration: `kv_connector_extra_config={"pdxfer": {EngineConfig fields}}`,
-or `PDXFER_CONFIG`; the host defaults to vLLM's `get_ip()`. Not supported
-(refused or skipped with the reason): sliding-window groups, different TP
-sizes, pipeline parallelism, a decode-side prefix-cache hit on a remotely
-prefilled request (the decode then computes the prompt itself and the
-prefill's send times out).
+or `PDXFER_CONFIG`; the host defaults to vLLM's `get_ip()`, and the
+per-request wait (`request_timeout`) to `SERVING_REQUEST_TIMEOUT` (300 s,
+SGLang's and NIXL's order of size: a decode request can sit minutes in D's
+waiting queue under load) while the liveness bound (`timeout`, 10 s) stays
+short, so a dead peer still fails its requests in seconds.
+
+- **Aborts.** A decode request vLLM finishes while its KV is loading (an
+  abort in `WAITING_FOR_REMOTE_KVS`) arrives in `finished_req_ids`; the
+  worker aborts its pdxfer request at once, which tells the prefill (its
+  send fails, its blocks are freed), and reports it finished once no byte
+  can land.
+- **Load failures.** A failed receive is reported as its blocks
+  (`get_block_ids_with_load_errors`) for a single-group model, so
+  `kv_load_failure_policy=recompute` recomputes those blocks and no others;
+  a hybrid model's (block ids are not unique across groups there, and vLLM
+  refuses them) as `failed_recving`, which recomputes the request.
+- **Identity.** Each pool field's name carries the model, dtype, cache
+  dtype, attention backend(s) and KV cache layout, so a pair that differs in
+  any of them is refused by pdxfer's handshake naming both values, before a
+  byte is written; `get_required_kvcache_layout` asks for LBNHC (vLLM's
+  default) so two backends that would pick different layouts agree.
+- **Metrics.** `get_kv_connector_stats` / `build_kv_connector_stats` /
+  `build_prom_metrics`: per transfer (one per TP rank, as vLLM aggregates
+  its workers' stats) bytes, segments and pdxfer's elapsed time, failures by
+  cause, quarantines and their duration, and the decode's prefix-cache
+  fallbacks (below); `vllm:pdxfer_*` series.
+- **The plugin edge.** `register()` never raises (vLLM calls plugins
+  unguarded: one raise stops every vLLM process); it logs one warning.
+  Constructing the connector without vLLM, or with a vLLM whose names moved,
+  raises an `ImportError` saying which (the name, the vLLM version).
+
+Not supported (refused or reported with the reason): sliding-window groups,
+different TP sizes (refused by name), pipeline parallelism, sleep mode
+(`supports_sleep_mode` is False: registered memory is not re-registered), a
+decode-side prefix-cache hit on a remotely prefilled request: the decode
+then computes the prompt itself, warns, counts it
+(`vllm:pdxfer_num_prefix_cache_fallbacks`), and the prefill's send waits
+out its `request_timeout` (shipping only the uncached tail needs an engine
+Expect that names a tail; not there yet).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
+import re
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdxfer import layout
@@ -69,6 +109,9 @@ from ..decode import DecodeEngine
 from ..errors import ConfigError, PdxferError, UnknownRequestError
 from ..prefill import PrefillEngine
 from .kit import CONFIG_ENV, engine_config, engine_poll
+
+#: The vLLM release this connector is written and tested against (tests/engines/vllm-pins.txt).
+BUILT_FOR = "0.33"
 
 try:  # the engine is optional: this module imports (and is unit-tested) without it
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -88,9 +131,24 @@ except ImportError as exc:  # noqa: F841 — kept for the message
     KVConnectorRole = KVConnectorTransferResults = None  # type: ignore[assignment]
     _MISSING = exc
 
+try:  # metrics are optional even with vLLM: without them the connector only reports no stats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
+    _NO_METRICS: ImportError | None = None
+except ImportError as exc:  # noqa: F841
+    KVConnectorStats = type("KVConnectorStats", (), {})  # type: ignore[misc,assignment]
+    KVConnectorPromMetrics = type("KVConnectorPromMetrics", (), {})  # type: ignore[misc,assignment]
+    _NO_METRICS = exc
+
 log = logging.getLogger("pdxfer.vllm")
 
 NAME = "PdxferConnector"
+
+#: The connector's per-request wait unless the config sets `request_timeout`: serving-sized,
+#: as a decode request can wait minutes in D's queue under load (SGLang and NIXL: 300 s).
+SERVING_REQUEST_TIMEOUT = 300.0
 
 
 def block_views(cache: Any, num_blocks: int) -> list[torch.Tensor]:
@@ -135,8 +193,14 @@ def block_views(cache: Any, num_blocks: int) -> list[torch.Tensor]:
 
 
 def group_pools(kv_caches: Mapping[str, Any], groups: Sequence[Sequence[str]],
-                num_blocks: int) -> dict[str, layout.PerLayerArena]:
-    """One pool per cache group (`g0`, `g1`, ...): every layer's block views, fields by shape."""
+                num_blocks: int, identity: str = "") -> dict[str, layout.PerLayerArena]:
+    """One pool per cache group (`g0`, `g1`, ...): every layer's block views, fields by shape.
+
+    `identity` (what `engine_identity` returns) is part of every field's
+    name, so two engines whose identities differ have pools that pdxfer's
+    handshake refuses, the refusal naming both names.
+    """
+    suffix = f" [{identity}]" if identity else ""
     pools = {}
     for g, names in enumerate(groups):
         fields: dict[tuple, list[torch.Tensor]] = {}
@@ -148,8 +212,93 @@ def group_pools(kv_caches: Mapping[str, Any], groups: Sequence[Sequence[str]],
                                   "must be among those handed to register_kv_caches")
             for v in block_views(kv_caches[name], num_blocks):
                 fields.setdefault((tuple(v.shape[1:]), v.dtype), []).append(v)
-        pools[f"g{g}"] = layout.PerLayerArena({f"f{j}": ts for j, ts in enumerate(fields.values())})
+        pools[f"g{g}"] = layout.PerLayerArena({f"f{j}{suffix}": ts
+                                               for j, ts in enumerate(fields.values())})
     return pools
+
+
+def engine_identity(vllm_config: Any, backends: Sequence[str]) -> str:
+    """What two engines must share beyond field shapes, as one readable string.
+
+    The factors vLLM's NIXL connector hashes for the same purpose that decide
+    what the bytes of a block mean: the model, its dtype, the cache dtype,
+    the attention backend(s) and the KV cache layout. Shapes and dtypes of
+    the fields are compared by the handshake already; TP size and rank are
+    not here (the address list pairs ranks, and a TP mismatch is refused by
+    name before any Expect).
+    """
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    model = getattr(mc, "model", None) if mc is not None else None
+    dtype = str(getattr(mc, "dtype", None)).removeprefix("torch.") if mc is not None else None
+    kv_layout = getattr(cc, "kv_cache_layout", None) or PdxferConnector.get_required_kvcache_layout(
+        vllm_config) or "default"
+    return (f"model={model} dtype={dtype} cache_dtype={getattr(cc, 'cache_dtype', None)} "
+            f"backend={'+'.join(sorted(backends)) or 'unknown'} layout={kv_layout}")
+
+
+def _attention_backends(vllm_config: Any, layer_names: Sequence[str]) -> list[str]:
+    """Names of the attention backends of `layer_names` (vLLM's own lookup; [] if it cannot tell)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        return sorted({b.get_name() for b in get_current_attn_backends(vllm_config, list(layer_names))})
+    except Exception as exc:  # vLLM's lookup may need a platform this process lacks
+        log.warning("pdxfer: could not tell the attention backend (%s: %s); the identity pdxfer's "
+                    "handshake compares names it 'unknown'", type(exc).__name__, exc)
+        return []
+
+
+# ==== the plugin edge: what is missing, said precisely ====================================
+def _vllm_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _missing_name(exc: ImportError) -> str:
+    """The dotted name an ImportError is about: a moved module, or a name gone from one."""
+    found = re.search(r"cannot import name '([^']+)' from '([^']+)'", str(exc))
+    if found:
+        return f"{found.group(2)}.{found.group(1)}"
+    return exc.name or str(exc)
+
+
+def explain_import_error(exc: ImportError) -> str:
+    """Why the connector cannot run here: vLLM is not installed, or a name it needs moved.
+
+    The two call for different fixes (install vLLM; pin the vLLM this
+    pdxfer was built for, or upgrade pdxfer), so they read differently.
+    """
+    try:
+        installed = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a half-imported or stubbed-out vllm module
+        installed = False
+    version = _vllm_version()
+    if not installed:
+        return (f"pdxfer's vLLM connector needs vLLM installed (pip install 'vllm=={BUILT_FOR}.*'): "
+                f"{exc}")
+    return (f"vLLM {version or '(unknown version)'} is installed, but {_missing_name(exc)!r}, which "
+            f"pdxfer's connector needs, is not there ({exc}); this pdxfer is built for vLLM "
+            f"{BUILT_FOR}: install vllm=={BUILT_FOR}.* or a pdxfer release for vLLM {version}")
+
+
+def _from_vllm(module: str, *names: str) -> Any:
+    """`from module import names` (a tuple for several), an ImportError naming what moved otherwise."""
+    try:
+        mod = importlib.import_module(module)
+        got = tuple(getattr(mod, n) for n in names)
+    except ImportError as exc:
+        raise ImportError(explain_import_error(exc)) from exc
+    except AttributeError as exc:
+        gone = ImportError(f"cannot import name '{exc.name}' from '{module}'", name=module)
+        raise ImportError(explain_import_error(gone)) from exc
+    return got if len(got) > 1 else got[0]
+
+
+def _require_vllm() -> None:
+    if _MISSING is not None:
+        raise ImportError(explain_import_error(_MISSING)) from _MISSING
 
 
 @dataclasses.dataclass
@@ -167,20 +316,139 @@ class PdxferConnectorMetadata(KVConnectorMetadata):
         self.send: dict[str, list[list[int]]] = {}  # id -> blocks per group
 
 
-def _require_vllm() -> None:
-    if _MISSING is not None:
-        raise ImportError(f"pdxfer's vLLM connector needs vLLM installed (pip install vllm): "
-                          f"{_MISSING}") from _MISSING
+# ==== metrics ===============================================================================
+def failure_kind(cause: BaseException | None, reason: str | None) -> str:
+    """A failure's label: the exception class pdxfer attached, or 'aborted' / 'unknown'."""
+    if cause is not None:
+        return type(cause).__name__
+    return "aborted" if reason and "aborted" in reason else "unknown"
 
 
+_STAT_KEYS = ("transfer_s", "bytes", "segments", "failed", "quarantine_s", "prefix_fallbacks")
+
+
+class PdxferKVConnectorStats(KVConnectorStats):
+    """One interval's observations, as vLLM's stats pipeline carries them (`data`, serializable).
+
+    One observation per finished pdxfer request per worker: at TP n a vLLM
+    request is n transfers, each rank's own bytes (vLLM aggregates its
+    workers' stats by `aggregate`, as NIXL's connector's are). Lists, so
+    aggregation is concatenation: `transfer_s` (pdxfer's elapsed time,
+    send/expect to finish), `bytes`, `segments` of successful transfers;
+    `failed` (one label per failed transfer, `failure_kind`); `quarantine_s`
+    (how long a failed receive stayed Quarantined before it was safe);
+    `prefix_fallbacks` (decode requests computed locally because of a local
+    prefix-cache hit; counted by the scheduler-side connector).
+    """
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        self.data = {k: list((data or {}).get(k, ())) for k in _STAT_KEYS}
+
+    def reset(self) -> None:
+        """Clear every observation."""
+        self.data = {k: [] for k in _STAT_KEYS}
+
+    def clone_and_reset(self) -> PdxferKVConnectorStats:
+        """This interval's observations, leaving this one empty for the next."""
+        old = PdxferKVConnectorStats(self.data)
+        self.reset()
+        return old
+
+    def is_empty(self) -> bool:
+        """True when nothing was observed (failures and fallbacks count)."""
+        return not any(self.data[k] for k in _STAT_KEYS)
+
+    def aggregate(self, other: Any) -> PdxferKVConnectorStats:
+        """Add another worker's (or the scheduler's) observations to these."""
+        for k in _STAT_KEYS:
+            self.data[k].extend(other.data.get(k, ()))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The interval in a few numbers, for vLLM's periodic log line."""
+        t = np.asarray(self.data["transfer_s"], dtype=np.float64)
+        mb = np.asarray(self.data["bytes"], dtype=np.float64) / 2**20
+        n = len(t)
+        out: dict[str, int | float] = {
+            "Num successful transfers": n,
+            "Avg transfer time (ms)": round(float(t.mean()) * 1e3, 3) if n else 0,
+            "P90 transfer time (ms)": round(float(np.percentile(t, 90)) * 1e3, 3) if n else 0,
+            "Avg MB per transfer": round(float(mb.mean()), 3) if n else 0,
+            "Throughput (MB/s)": round(float(mb.sum() / t.sum()), 3) if n and t.sum() > 0 else 0,
+            "Avg segments": round(float(np.mean(self.data["segments"])), 1) if n else 0,
+            "Num failed transfers": len(self.data["failed"]),
+            "Num quarantined": len(self.data["quarantine_s"]),
+            "Num prefix-cache fallbacks": len(self.data["prefix_fallbacks"]),
+        }
+        for kind in sorted(set(self.data["failed"])):
+            out[f"Failed ({kind})"] = self.data["failed"].count(kind)
+        return out
+
+
+class PdxferPromMetrics(KVConnectorPromMetrics):
+    """The `vllm:pdxfer_*` Prometheus series, fed from `PdxferKVConnectorStats.data`."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        hist, counter = self._histogram_cls, self._counter_cls
+        seconds = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+        self.transfer_s = per_engine(hist(
+            name="vllm:pdxfer_transfer_time_seconds", labelnames=labelnames, buckets=seconds,
+            documentation="pdxfer transfers: seconds from send/expect to the request's finish."))
+        self.bytes = per_engine(hist(
+            name="vllm:pdxfer_bytes_transferred", labelnames=labelnames,
+            buckets=[2 ** (10 + i) for i in range(1, 25, 2)],
+            documentation="pdxfer transfers: bytes moved per transfer (one per TP rank)."))
+        self.segments = per_engine(hist(
+            name="vllm:pdxfer_num_segments", labelnames=labelnames,
+            buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384],
+            documentation="pdxfer transfers: contiguous segments posted per transfer."))
+        self.quarantine_s = per_engine(hist(
+            name="vllm:pdxfer_quarantine_seconds", labelnames=labelnames, buckets=seconds,
+            documentation="pdxfer receives that failed over a transport that cannot fence: "
+                          "seconds until no byte could land any more."))
+        self.fallbacks = per_engine(counter(
+            name="vllm:pdxfer_num_prefix_cache_fallbacks", labelnames=labelnames,
+            documentation="Remotely prefilled requests the decode computed itself because of a "
+                          "local prefix-cache hit (pdxfer ships whole prompts)."))
+        self._failed = counter(
+            name="vllm:pdxfer_num_failed_transfers", labelnames=[*labelnames, "reason"],
+            documentation="pdxfer transfers that failed, by cause (the pdxfer exception class, "
+                          "or 'aborted').")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one interval's observations under the engine's labels."""
+        d = transfer_stats_data
+        for metric, key in ((self.transfer_s, "transfer_s"), (self.bytes, "bytes"),
+                            (self.segments, "segments"), (self.quarantine_s, "quarantine_s")):
+            for v in d.get(key, ()):
+                metric[engine_idx].observe(v)
+        if d.get("prefix_fallbacks"):
+            self.fallbacks[engine_idx].inc(len(d["prefix_fallbacks"]))
+        labels = self.per_engine_labelvalues[engine_idx]
+        for kind in d.get("failed", ()):
+            self._failed.labels(*labels, kind).inc()
+
+
+# ==== the connector ========================================================================
 class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     """pdxfer behind vLLM's KV connector API; one instance per role and process."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         _require_vllm()
         super().__init__(vllm_config, role, kv_cache_config)
-        from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
-        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+        clip_ssm_state_blocks = _from_vllm("vllm.distributed.kv_transfer.kv_connector.utils",
+                                           "clip_ssm_state_blocks")
+        MambaSpec, SlidingWindowSpec = _from_vllm("vllm.v1.kv_cache_interface",  # noqa: N806
+                                                  "MambaSpec", "SlidingWindowSpec")
+        self._status = _from_vllm("vllm.v1.request", "RequestStatus")
+        get_ip = _from_vllm("vllm.utils.network_utils", "get_ip")
 
         ktc = vllm_config.kv_transfer_config
         self._producer, self._consumer = ktc.is_kv_producer, ktc.is_kv_consumer
@@ -194,12 +462,13 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("PdxferConnector does not transfer sliding-window cache groups yet")
         self._ssm_spec = [s.num_speculative_blocks if isinstance(s, MambaSpec) else None for s in specs]
         self._clip = clip_ssm_state_blocks
+        # vLLM takes block-level load errors only where block ids are unique: one cache group.
+        self._block_errors = len(kv_cache_config.kv_cache_groups) == 1
         # Mamba: the prefill stops one token short, the decode recomputes it (h(N-1) -> h(N)).
         self._backoff = 1 if kv_cache_config.has_mamba_layers else 0
         given = ktc.get_from_extra_config("pdxfer", None)
         text = json.dumps(given) if given is not None else os.environ.get(CONFIG_ENV)
-        from vllm.utils.network_utils import get_ip
-        self.config = engine_config(text, host=get_ip)
+        self.config = engine_config(text, host=get_ip, request_timeout=SERVING_REQUEST_TIMEOUT)
         # scheduler side
         self._to_recv: dict[str, tuple[str, list[str], list[list[int]]]] = {}
         self._to_send: dict[str, list[list[int]]] = {}
@@ -208,9 +477,55 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self.prefill: PrefillEngine | None = None
         self.decode: DecodeEngine | None = None
-        self._recving: dict[str, str] = {}  # vLLM id -> pdxfer id
+        self._recving: dict[str, tuple[str, list[list[int]]]] = {}  # vLLM id -> (pdxfer id, blocks)
         self._sending: set[str] = set()
         self._failed: set[str] = set()
+        self._aborted: set[str] = set()  # receives vLLM finished first (aborts), aborted in pdxfer
+        self._quarantined: dict[str, float] = {}  # pdxfer id -> when first seen Quarantined
+        self._load_errors: set[int] = set()
+        self._rank = 0  # this worker's TP rank, known once vLLM's groups exist (register_kv_caches)
+        # both sides: this interval's observations (None: vLLM's metrics API is not there)
+        self._stats = PdxferKVConnectorStats() if _NO_METRICS is None else None
+
+    # ==== class-level answers ====================================================
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False: pdxfer registers the KV memory once and cannot follow sleep mode's remap."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """LBNHC (vLLM's default; layer-outer, each block's bytes one run) for MHA, None for MLA.
+
+        Asked for so that both sides lay blocks out alike whatever backend
+        each picked (FlashInfer would pick LBHNC); the layout is also part
+        of the identity the handshake compares (`engine_identity`).
+        """
+        mc = getattr(vllm_config, "model_config", None)
+        if mc is None or getattr(mc, "use_mla", False):
+            return None
+        return "LBNHC"
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        """The stats object for `data` a worker's `get_kv_connector_stats` produced."""
+        if _NO_METRICS is not None:
+            return None
+        return PdxferKVConnectorStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        """The `vllm:pdxfer_*` series (`PdxferPromMetrics`)."""
+        if _NO_METRICS is not None:
+            return None
+        return PdxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> Any:
+        """This interval's observations (None when there are none), and start the next."""
+        if self._stats is None or self._stats.is_empty():
+            return None
+        return self._stats.clone_and_reset()
 
     # ==== scheduler side =========================================================
     def _transfer_blocks(self, block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -236,9 +551,14 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         if not p or not p.get("do_remote_prefill"):
             return 0, False
         if num_computed_tokens:
-            log.warning("pdxfer: request %s has %d tokens cached locally; pdxfer ships whole "
-                        "prompts, so the decode computes it itself", request.request_id,
-                        num_computed_tokens)
+            if not p.get("_pdxfer_local_hit"):  # asked again each step it waits: say it once
+                p["_pdxfer_local_hit"] = True
+                log.warning("pdxfer: request %s has %d tokens cached locally; pdxfer ships whole "
+                            "prompts, so the decode computes it itself and the prefill's send "
+                            "waits out its request_timeout (%.0f s)", request.request_id,
+                            num_computed_tokens, self.config.request_wait)
+                if self._stats is not None:
+                    self._stats.data["prefix_fallbacks"].append(num_computed_tokens)
             return 0, False
         n = request.num_prompt_tokens - (self._backoff if request.num_prompt_tokens > self._backoff else 0)
         return (n, True) if n > 0 else (0, False)
@@ -269,8 +589,6 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict | None]:
         """Prefill: hold a finished request's blocks for the push; params for the decode request."""
-        from vllm.v1.request import RequestStatus
-
         p = request.kv_transfer_params
         if not p:
             return False, None
@@ -278,7 +596,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             p["do_remote_prefill"] = False
             return False, None
         if not p.get("do_remote_decode") or request.status not in (
-                RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+                self._status.FINISHED_LENGTH_CAPPED, self._status.FINISHED_STOPPED):
             return False, None
         blocks = self._transfer_blocks(block_ids)
         if not any(blocks):
@@ -311,13 +629,17 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     def _tp_rank(self) -> int:
         if self._tp_size == 1:
             return 0
-        from vllm.distributed.parallel_state import get_tp_group
+        get_tp_group = _from_vllm("vllm.distributed.parallel_state", "get_tp_group")
         return int(get_tp_group().rank_in_group)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Adopt the layers' caches as one pool per group and start the engine(s) over them."""
         groups = [g.layer_names for g in self._kv_cache_config.transfer_groups]
-        pools = group_pools(kv_caches, groups, int(self._kv_cache_config.num_blocks))
+        attention = [n for names, ssm in zip(groups, self._ssm_spec, strict=True) if ssm is None
+                     for n in names]
+        self._rank = self._tp_rank()
+        identity = engine_identity(self._vllm_config, _attention_backends(self._vllm_config, attention))
+        pools = group_pools(kv_caches, groups, int(self._kv_cache_config.num_blocks), identity)
         if self._producer:
             self.prefill = PrefillEngine(pools, self.config)
         if self._consumer:
@@ -330,15 +652,16 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Expect this step's remote prefills; send this step's finished prefills."""
         meta = self._get_connector_metadata()
-        rank = self._tp_rank()
+        rank = self._rank
         for rid, (pid, addrs, blocks) in meta.recv.items():
-            self._recving[rid] = pid
+            self._recving[rid] = (pid, blocks)
             try:
                 if self.decode is None:
                     raise ConfigError("this worker has no decode engine (kv_role is not a consumer)")
                 if len(addrs) != self._tp_size:
                     raise ConfigError(f"the prefill runs {len(addrs)} TP ranks, this decode "
-                                      f"{self._tp_size}; PdxferConnector pairs rank r with rank r")
+                                      f"{self._tp_size}; PdxferConnector pairs rank r with rank r "
+                                      "and supports equal TP sizes only")
                 self.decode.expect(pid, addrs[rank], {f"g{g}": b for g, b in enumerate(blocks) if b})
             except PdxferError as exc:
                 log.error("pdxfer: request %s cannot be received: %s", rid, exc)
@@ -362,49 +685,89 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         """Sends are asynchronous; their blocks stay held until `finished_sending`."""
 
-    def _finished(self, engine: Any, pid: str, rid: str) -> KVPoll | None:
-        """The request's final state once it is safe to report (released then), else None."""
+    def _finished(self, engine: Any, pid: str, rid: str) -> tuple[KVPoll, str] | None:
+        """`(final state, failure kind)` once it is safe to report (released then), else None."""
         if rid in self._failed:
             self._failed.discard(rid)
             try:
                 engine.release(pid)
             except (PdxferError, AttributeError):
                 pass
-            return KVPoll.Failed
-        state = engine_poll(engine.try_poll(pid))
+            return KVPoll.Failed, "ConfigError"
+        try:
+            out = engine.outcome(pid)
+        except UnknownRequestError:  # a prefill sender before the decode's Expect
+            return None
+        if out.state is KVPoll.Quarantined:
+            self._quarantined.setdefault(pid, time.monotonic())
+        state = engine_poll(out.state)
         if not state.finished:
             return None
         try:
-            engine.release(pid)
+            out = engine.release(pid)
         except UnknownRequestError:
             pass
-        return state
+        since = self._quarantined.pop(pid, None)
+        if self._stats is not None:
+            if since is not None:
+                self._stats.data["quarantine_s"].append(time.monotonic() - since)
+            if state is KVPoll.Success:
+                self._stats.data["transfer_s"].append(out.stats.elapsed_s)
+                self._stats.data["bytes"].append(out.stats.nbytes)
+                self._stats.data["segments"].append(out.stats.segments)
+        kind = failure_kind(out.cause, out.reason) if state is KVPoll.Failed else ""
+        if state is KVPoll.Failed:
+            if self._stats is not None:
+                self._stats.data["failed"].append(kind)
+            log.warning("pdxfer: transfer of %s failed: %s", rid, out.reason or kind)
+        return state, kind
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        """Sends and receives that finished (Success or Failed), failed receives named."""
+        """Sends and receives that finished (Success or Failed), failed receives named.
+
+        A receive vLLM has finished meanwhile (`finished_req_ids`: an abort in
+        `WAITING_FOR_REMOTE_KVS`) is aborted in pdxfer now, which tells its
+        prefill; it is reported finished (never failed: there is nothing to
+        recompute) once no byte can land in its blocks.
+        """
         out = KVConnectorTransferResults()
+        for rid in finished_req_ids or ():
+            if rid in self._recving and rid not in self._aborted and self.decode is not None:
+                self._aborted.add(rid)
+                try:
+                    self.decode.abort(self._recving[rid][0], "vLLM finished the request while "
+                                      "its KV was loading")
+                except PdxferError:
+                    pass  # finished (or never started) meanwhile: the poll below reports it
         for rid in list(self._sending):
-            state = self._finished(self.prefill, rid, rid)
-            if state is not None:
+            done = self._finished(self.prefill, rid, rid)
+            if done is not None:
                 self._sending.discard(rid)
                 out.finished_sending.add(rid)
-                if state is KVPoll.Failed:
-                    log.warning("pdxfer: send of %s failed: %s", rid, self._reason(self.prefill, rid))
-        for rid, pid in list(self._recving.items()):
-            state = self._finished(self.decode, pid, rid)
-            if state is not None:
-                del self._recving[rid]
-                out.finished_recving.add(rid)
-                if state is KVPoll.Failed:
+        for rid, (pid, blocks) in list(self._recving.items()):
+            done = self._finished(self.decode, pid, rid)
+            if done is None:
+                continue
+            del self._recving[rid]
+            out.finished_recving.add(rid)
+            aborted = rid in self._aborted
+            self._aborted.discard(rid)
+            if done[0] is KVPoll.Failed and not aborted:
+                if self._block_errors:
+                    self._load_errors.update(b for g in blocks for b in g)
+                else:
                     out.failed_recving.add(rid)
         return out
 
-    @staticmethod
-    def _reason(engine: Any, rid: str) -> str:
-        try:
-            return engine.failure_reason(rid) or "released"
-        except PdxferError:
-            return "released"
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of receives that failed since the last call (single-group models).
+
+        pdxfer fails a request whole, and says Failed only once nothing can
+        land any more: every block a failed receive expected is unreliable,
+        and no other block is.
+        """
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """`get_transfer_results` for callers of the older two-set API."""
@@ -419,11 +782,20 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 def register() -> None:
-    """`vllm.general_plugins` entry point: `"kv_connector": "PdxferConnector"` by name."""
-    _require_vllm()
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    """`vllm.general_plugins` entry point: `"kv_connector": "PdxferConnector"` by name.
 
+    Never raises: vLLM calls plugins without a guard in every one of its
+    processes, so a raise here would stop vLLM even where pdxfer is not
+    configured. Whatever goes wrong is one warning, and the connector is
+    then not registered by name (loading it by module path says why again).
+    """
     try:
-        KVConnectorFactory.register_connector(NAME, __name__, NAME)
-    except ValueError:  # "already registered": plugins loaded a second time in this process
-        pass
+        _require_vllm()
+        factory = _from_vllm("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory")
+        try:
+            factory.register_connector(NAME, __name__, NAME)
+        except ValueError:  # "already registered": plugins loaded a second time in this process
+            pass
+    except Exception as exc:
+        log.warning("pdxfer: the %s plugin is not registered (vLLM runs on without it): %s",
+                    NAME, exc)

@@ -24,13 +24,13 @@ pytestmark = pytest.mark.skipif(
     reason="an engine is installed here; tests/engines/ covers the classes with it")
 
 
-def test_constructing_or_registering_without_the_engine_says_what_to_install() -> None:
+def test_constructing_or_registering_without_the_engine_says_what_to_install(caplog) -> None:
     with pytest.raises(ImportError, match=r"pdxfer's SGLang backend needs SGLang installed \(pip install sglang\)"):
         sg.register()
     with pytest.raises(ImportError, match=r"needs SGLang installed"):
         sg.PdxferKVManager(None, "prefill", None)
-    with pytest.raises(ImportError, match=r"pdxfer's vLLM connector needs vLLM installed \(pip install vllm\)"):
-        vl.register()
+    vl.register()  # vLLM calls plugins unguarded: this one only warns (#31)
+    assert "pdxfer's vLLM connector needs vLLM installed (pip install 'vllm==0.33.*')" in caplog.text
     with pytest.raises(ImportError, match=r"needs vLLM installed"):
         vl.PdxferConnector(None, None, None)
 
