@@ -71,7 +71,15 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from .base import DirectoryHealth, PeerDirectory, check_cluster, check_record, claim
 from .errors import DirectoryError, DirectoryUnavailable, RecordError
-from .etcd_client import EtcdClient, Header, WatchStream, event_key, event_value, message_header
+from .etcd_client import (
+    AnswerTooLarge,
+    EtcdClient,
+    Header,
+    WatchStream,
+    event_key,
+    event_value,
+    message_header,
+)
 from .records import PeerRecord, Slot, check_name, decode_layout, encode_layout
 
 log = logging.getLogger("pdxfer.directory")
@@ -279,6 +287,14 @@ class EtcdDirectory(PeerDirectory):
                     again = revision == 0 or name in self._relist
                 if again:
                     continue  # compacted or another store: re-list at once, that is not a failure
+            except AnswerTooLarge as exc:
+                # A watch catching up sends up to 1,000 revisions in one message: a burst of
+                # huge values makes one no reader should buffer, and resuming would meet it
+                # again. A listing pages by size instead (etcd_client.range), then the watch
+                # starts synced, from after it.
+                log.warning("pdxfer directory: %s: %s; re-listing instead of resuming", name, exc)
+                revision = 0
+                continue
             except DirectoryUnavailable as exc:
                 self._problem(name, str(exc))
             except Exception as exc:  # noqa: BLE001 — a follower that dies leaves a frozen view

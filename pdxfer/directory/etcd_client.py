@@ -217,9 +217,10 @@ class EtcdClient:
         """Every key under `prefix`, as one snapshot: (revision, key-values), paged.
 
         A page over `MAX_MESSAGE` (someone stored huge values) is asked for
-        again with half the keys, down to one: a single etcd value is at
-        most its request limit (1.5 MiB by default), so a listing always
-        completes and the directory refuses those values one by one.
+        again with half the keys, one that timed out with an eighth, down to
+        one: a single etcd value is at most its request limit (1.5 MiB by
+        default), so a listing completes and the directory refuses those
+        values one by one.
         """
         end = _b64(prefix_end(prefix))
         body: dict[str, Any] = {"key": _b64(prefix), "range_end": end, "limit": _PAGE}
@@ -228,10 +229,13 @@ class EtcdClient:
         while True:
             try:
                 answer = self.call("kv/range", body)
-            except AnswerTooLarge:
-                if body["limit"] == 1:
+            except DirectoryUnavailable as exc:
+                # too large, or too slow to produce (etcd serializing a page of huge values):
+                # ask for half as many keys; one key's answer always fits
+                slow = isinstance(exc.__cause__, TimeoutError)
+                if body["limit"] == 1 or not (isinstance(exc, AnswerTooLarge) or slow):
                     raise
-                body = {**body, "limit": max(1, body["limit"] // 2)}
+                body = {**body, "limit": max(1, body["limit"] // (8 if slow else 2))}
                 continue
             revision = revision or int(answer["header"]["revision"])
             kvs = [_kv(d) for d in answer.get("kvs", [])]
@@ -375,7 +379,7 @@ class WatchStream:
             if not line:
                 return
             if len(line) > MAX_MESSAGE:
-                raise DirectoryUnavailable(f"etcd {self.where}: watch message over {MAX_MESSAGE} B")
+                raise AnswerTooLarge(f"etcd {self.where}: watch message over {MAX_MESSAGE} B")
             if not line.strip():
                 continue
             try:

@@ -303,3 +303,31 @@ def test_a_record_whose_address_never_answers_fails_naming_that_address() -> Non
             with pytest.raises(RequestFailed, match=rf"timed out: no progress for 1.0 s while "
                                                     rf"Bootstrapping \(prefill at {address}\)"):
                 decode.wait("r1", WAIT)
+
+
+def test_a_burst_of_huge_values_met_while_catching_up_is_relisted_not_resumed(own_etcd,
+                                                                              cluster) -> None:
+    # A watch resuming after a break gets up to 1,000 revisions in one message: twelve 1.4 MiB
+    # values make one of ~22 MiB, over MAX_MESSAGE, and resuming would meet it again forever.
+    from netproxy import NetProxy
+
+    proxy = NetProxy(own_etcd.client_port)
+    view = follower(proxy.url, cluster)
+    client = EtcdClient(own_etcd.url)
+    writer = EtcdDirectory(own_etcd.url, cluster=cluster, ttl=5)
+    try:
+        proxy.cut()
+        assert view.wait_for(lambda: view.health().degraded, WAIT)
+        for i in range(12):
+            client.put(raw_key(cluster, PEERS + f"huge{i}/0/0"), b"x" * (1400 << 10))  # type: ignore[arg-type]
+        good = Slot("m", "prefill", "good")
+        writer.register(good, rec(good, "e1"))
+        proxy.restore()
+        assert view.wait_for(lambda: view.resolve(good) is not None, WAIT), view.health()
+        assert view.wait_for(lambda: view.health().skipped == 12, WAIT), view.health()
+        assert view.wait_connected(WAIT), view.health()
+    finally:
+        view.close()
+        writer.close()
+        client.close()
+        proxy.close()
