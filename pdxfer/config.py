@@ -151,10 +151,12 @@ def _validate(cfg: EngineConfig) -> None:
         value = getattr(cfg, name)
         if value is None and name != "timeout":
             continue
+        # an int past float's range (10**400) makes isfinite raise OverflowError: check its size
         if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (isinstance(value, int) and value.bit_length() > 1000)
                 or not math.isfinite(value) or value <= 0):
             raise ConfigError(
-                f"EngineConfig.{name} must be a finite, positive number of seconds, got {value!r}"
+                f"EngineConfig.{name} must be a finite, positive number of seconds, got {value!r:.60}"
                 + ("; for 'no limit' pass a large number such as 1e6" if value == math.inf else "")
             )
     if not isinstance(cfg.transport_options, Mapping):

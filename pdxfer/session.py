@@ -81,7 +81,9 @@ def parse_address(addr: object) -> tuple[str, int]:
         raise RequestError(f"prefill address must be 'host:port', got {addr!r}")
     host, _, port_text = addr.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    # isascii first: str.isdigit() accepts '²', which int() then refuses with a raw ValueError
+    if (not host or not (port_text.isascii() and port_text.isdigit())
+            or not 0 < int(port_text) < 65536):
         raise RequestError(f"prefill address must be 'host:port' with a port 1..65535, got {addr!r}")
     return host, int(port_text)
 

@@ -118,7 +118,7 @@ def test_control_messages_decode_strictly() -> None:
 def test_bootstrap_addresses() -> None:
     assert parse_address("10.0.0.1:5000") == ("10.0.0.1", 5000)
     assert parse_address("[::1]:7") == ("::1", 7)
-    for bad in ("host", "host:0", "host:x", ":80", 5):
+    for bad in ("host", "host:0", "host:x", ":80", 5, "host:²", "host:١٢"):  # non-ASCII digits too
         with pytest.raises(pdxfer.RequestError, match="host:port"):
             parse_address(bad)
 
@@ -157,7 +157,7 @@ def test_different_transports_are_refused_in_the_handshake(pre, dec) -> None:
 
 
 @pytest.mark.parametrize("field", ["timeout", "heartbeat_interval", "abort_grace"])
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, True])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, True, 10**400])
 def test_config_refuses_durations_that_disable_timeouts(field: str, value: float) -> None:
     # NaN compares false with everything: a NaN timeout never fires. inf waits forever.
     with pytest.raises(ConfigError, match=f"{field} must be a finite, positive number"):
