@@ -225,13 +225,7 @@ def _launcher(cmd: Command) -> str | None:
     return module if not env and module and module.startswith("examples.launch_") else None
 
 
-def _param(cmd: Command):
-    """`cmd`, grouped on one xdist worker with the other askers of its launcher's runs."""
-    module = _launcher(cmd)
-    return pytest.param(cmd, marks=pytest.mark.xdist_group(module)) if module else cmd
-
-
-@pytest.mark.parametrize("cmd", [_param(c) for c in COMMANDS], ids=_id)
+@pytest.mark.parametrize("cmd", COMMANDS, ids=_id)
 def test_documented_command_runs(cmd: Command, scratch: Path, launcher_run) -> None:
     if cmd.reason is not None:
         pytest.skip(f"{cmd.where} `{cmd.text.split('#')[0].strip()}`: not run here: {cmd.reason}")

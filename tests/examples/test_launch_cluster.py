@@ -14,15 +14,12 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "directory"))
 
 from etcd_kit import etcd_binary  # noqa: E402
 
 
-@pytest.mark.xdist_group("examples.launch_cluster")
 def test_two_by_two_with_a_killed_prefill_completes_every_request_identically(launcher_run) -> None:
     etcd_binary()  # skip here without one (fail under CI=true); the launcher finds the same
     # The second run docs/directory.md shows: made once for both (tests/conftest.py).

@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -74,7 +72,6 @@ def test_killed_prefill_worker_fails_requests_instead_of_hanging() -> None:
     _assert_gone(_worker_pids(out))
 
 
-@pytest.mark.xdist_group("examples.launch_pd")
 def test_demo_moving_the_pool_boundary_on_both_workers_keeps_outputs_identical(launcher_run) -> None:
     # Every request moves both workers' boundaries (the state pool grows, then shrinks
     # back) while that request's entries hold live data; the outputs must not change.
