@@ -39,6 +39,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 def _options(module: str, args: Sequence[str]) -> tuple:
     """What the launcher makes of `args`: its parsed options, or the words when it refuses."""
     parse = importlib.import_module(module).parse_args
