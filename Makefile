@@ -25,8 +25,13 @@ setup: $(STAMP)
 demo: setup
 	$(PY) -m examples.launch_pd --transport tcp --requests 8 --prompt-len 48 --gen-len 8
 
+# Two pytest-xdist workers: much of the suite waits (timeouts, peers' replies, worker
+# processes starting), so a second worker fills those waits on two cores (tests sharing one
+# launcher run find it across workers: tests/conftest.py). TEST_WORKERS=0 runs the suite in
+# this one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # SGLang's and vLLM's own code driving pdxfer (tests/engines/): each builds its own pinned
 # venv under .cache/ on first use (minutes; then cached), and skips with the reason where

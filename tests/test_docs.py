@@ -21,7 +21,11 @@ runs in a scratch directory linking to the checkout, with its own empty
 `docs/img/`, so a documented `--plot docs/img/x.png` never overwrites the
 committed figure. `pdxfer ...` lines run in this process through
 `pdxfer.cli.main` (one torch import for all of them); any other line runs
-under `bash` with the test's venv first on PATH.
+under `bash` with the test's venv first on PATH. A launcher line
+(`python -m examples.launch_pd ...`, `examples.launch_cluster`) runs through
+the session's `launcher_run` (tests/conftest.py) in that same environment: a
+run the example tests make with the same options is made once and asserted
+on by both.
 
 The files are found at collection time, so a page another change adds is
 checked without editing this test.
@@ -210,8 +214,19 @@ def _in_bash(text: str, cwd: Path) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def _launcher(cmd: Command) -> str | None:
+    """The launcher (`examples.launch_*`) a simple, env-free line runs, if any: its runs are
+    shared through tests/conftest.py's `launcher_run`."""
+    words = None if cmd.reason is not None else _tokens(cmd.text)
+    if not words:
+        return None
+    env, program, _args = _split(words)
+    module = program[2] if len(program) == 3 else None
+    return module if not env and module and module.startswith("examples.launch_") else None
+
+
 @pytest.mark.parametrize("cmd", COMMANDS, ids=_id)
-def test_documented_command_runs(cmd: Command, scratch: Path) -> None:
+def test_documented_command_runs(cmd: Command, scratch: Path, launcher_run) -> None:
     if cmd.reason is not None:
         pytest.skip(f"{cmd.where} `{cmd.text.split('#')[0].strip()}`: not run here: {cmd.reason}")
     words = _tokens(cmd.text)
@@ -225,6 +240,10 @@ def test_documented_command_runs(cmd: Command, scratch: Path) -> None:
         if _is_pdxfer(program) and not env:
             ran = shlex.join(["pdxfer", *args])
             code, output = _in_process(args, scratch)
+        elif _launcher(cmd):
+            ran = shlex.join(["python", "-m", program[2], *args])
+            proc = launcher_run(program[2], args)
+            code, output = proc.returncode, proc.stdout + proc.stderr
         else:
             ran = shlex.join([*env, *program, *args])
             code, output = _in_bash(ran, scratch)

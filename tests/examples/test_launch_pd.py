@@ -72,11 +72,13 @@ def test_killed_prefill_worker_fails_requests_instead_of_hanging() -> None:
     _assert_gone(_worker_pids(out))
 
 
-def test_demo_moving_the_pool_boundary_on_both_workers_keeps_outputs_identical() -> None:
+def test_demo_moving_the_pool_boundary_on_both_workers_keeps_outputs_identical(launcher_run) -> None:
     # Every request moves both workers' boundaries (the state pool grows, then shrinks
     # back) while that request's entries hold live data; the outputs must not change.
-    proc, _ = _launch("--transport", "tcp", "--requests", "4", "--prompt-len", "16",
-                      "--gen-len", "4", "--resize-every", "1", "--resize-step", "5")
+    # The run docs/elastic-pools.md shows: made once for both (tests/conftest.py).
+    proc = launcher_run("examples.launch_pd", ["--transport", "tcp", "--requests", "4",
+                        "--prompt-len", "16", "--gen-len", "4", "--resize-every", "1",
+                        "--resize-step", "5"], timeout=100)
     out = proc.stdout + "\n--- stderr ---\n" + proc.stderr
     assert proc.returncode == 0, out
     rows = re.findall(r"^(req-\d+)\s.*identical", out, re.M)

@@ -5,6 +5,10 @@ child process (`... decode ADDRESS`), sends one request of four scattered
 entries, and exits 0 once both sides report Success and the child checked
 every byte it received. Both print where `pdxfer` was imported from, so the
 test can tell an installed package from a checkout on the path.
+
+The prefill sends only once the child says it expects the request: the
+child's start (a torch import: 15-20 s of wall time on two loaded cores)
+stays out of the request's 20 s bound.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def decode(address: str) -> int:
     arena = layout.EntryMajorArena(FIELDS, 8, "cpu")
     with DecodeEngine({"kv": arena}, CONFIG) as engine:
         engine.expect("r0", address, {"kv": DST})
+        print("EXPECTING r0", flush=True)
         assert engine.wait("r0", timeout=20) == KVPoll.Success
         for s, d in zip(SRC, DST, strict=True):
             for name in ("k", "v"):
@@ -50,11 +55,15 @@ def prefill() -> int:
         for name in ("k", "v"):
             arena.view(name)[:, s] = _values(s, name)
     with PrefillEngine({"kv": arena}, CONFIG) as engine:
-        child = subprocess.Popen([sys.executable, __file__, "decode", engine.bootstrap_address])
+        child = subprocess.Popen([sys.executable, __file__, "decode", engine.bootstrap_address],
+                                 stdout=subprocess.PIPE, text=True)
         try:
+            said = child.stdout.readline()  # "" if the child died first
+            assert said == "EXPECTING r0\n", f"decode child said {said!r}, exit {child.wait(30)}"
             engine.send("r0", {"kv": SRC})
             assert engine.wait("r0", timeout=20) == KVPoll.Success
             code = child.wait(timeout=30)
+            print(child.stdout.read(), end="")  # the child's own line, for the test
         finally:
             if child.poll() is None:
                 child.kill()

@@ -1,12 +1,15 @@
 """Issue #9's clean-exit script: two engines, register, move one table, close both, return.
 
 `python exit_script.py BACKEND MIB` does it once and exits. `... BACKEND MIB N`
-forks N children from this interpreter (torch already imported: a fresh
+first forks N children from this interpreter (torch already imported: a fresh
 interpreter per run costs seconds of CPU each) and prints their exit codes as
 a JSON list; each child does the work and then leaves through the normal
 interpreter exit — atexit, finalisation, static destructors — the path that
-aborted with `terminate called without an active exception`. The table is
-many rows so loopback's copy helpers run too.
+aborted with `terminate called without an active exception`. Then the parent,
+which has run no engine before (forking leaves no state behind in it), does the
+work once itself and exits: its exit status is the fresh-interpreter case, so
+one process start covers both. The table is many rows so loopback's copy
+helpers run too.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ if __name__ == "__main__":
             child = True
             break
         codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-    if child or not forks:
-        main(sys.argv[1], int(sys.argv[2]))  # then fall off the end: the real interpreter exit
-    else:
-        print(json.dumps(codes))
+    if not child and forks:
+        print(json.dumps(codes), flush=True)
+    main(sys.argv[1], int(sys.argv[2]))  # then fall off the end: the real interpreter exit

@@ -13,6 +13,7 @@ to fetch ahead of time.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -32,8 +33,21 @@ def _download(where: str) -> subprocess.CompletedProcess:
 
 
 def ensure() -> Path | str:
-    """The unpacked prefix (fetching it once), or why it cannot be had on this machine."""
+    """The unpacked prefix (fetching it once), or why it cannot be had on this machine.
+
+    Under a file lock: two pytest-xdist workers asking at once would both stage
+    into `pyverbs.partial` and remove each other's files.
+    """
     if (PREFIX / SITE / "pyverbs").is_dir():
+        return PREFIX
+    PREFIX.parent.mkdir(parents=True, exist_ok=True)
+    with open(PREFIX.with_name("pyverbs.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _fetch()
+
+
+def _fetch() -> Path | str:
+    if (PREFIX / SITE / "pyverbs").is_dir():  # the other asker fetched it meanwhile
         return PREFIX
     if sys.version_info[:2] != (3, 11):
         return f"Debian's python3-pyverbs is built for CPython 3.11; this is {sys.version.split()[0]}"
