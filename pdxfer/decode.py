@@ -105,7 +105,10 @@ class DecodeEngine(Engine):
             name=self.engine_id,
             hello=lambda: Hello(self.engine_id, cfg.transport, self._transport.address(),
                                 **self._pools.hello_fields()),
-            on_message=self._on_message, on_link_lost=self._link_lost,
+            # looked up per message, as when Dials was a mixin: a hook installed on the engine
+            # after construction (the late-bytes tests' WordSeen) still sees every message
+            on_message=lambda link, msg: self._on_message(link, msg),
+            on_link_lost=lambda link, why: self._link_lost(link, why),
             fail=self._fail_waiting, closed=lambda: self._closed)
         self._timing = Timing(self.config.request_wait, self.config.grace)
         self._transport.set_notify_handler(self._on_notify)
