@@ -37,7 +37,7 @@ from pdxfer.directory import PeerRecord
 from .caches import POOLS, ModelCaches, PoolExhausted, decode_counts, prefill_counts
 from .cluster import add_directory_args, model_name, open_from_args, resolve_prefill
 from .elastic import BoundaryMover
-from .model import HybridModel, ModelConfig, deterministic_torch
+from .model import HybridModel, ModelConfig, check_context, deterministic_torch
 from .reference import resolve_device
 from .rpc import (
     Failed,
@@ -208,6 +208,9 @@ class DecodeWorker:
             prompt = check_prompt(msg.prompt, cfg.vocab)
             if msg.gen_len < 1:
                 raise ValueError(f"gen_len must be at least 1, got {msg.gen_len}")
+            too_long = check_context(cfg, len(prompt), msg.gen_len)
+            if too_long is not None:
+                raise ValueError(too_long)
             idx = self.caches.allocate(decode_counts(cfg, len(prompt), msg.gen_len))
         except (ValueError, PoolExhausted) as exc:
             return Failed(rid, f"decode refused request {rid!r}: {exc}")

@@ -37,7 +37,7 @@ from .caches import (
 )
 from .cluster import add_directory_args, open_from_args, register_prefill
 from .elastic import BoundaryMover
-from .model import HybridModel, ModelConfig, deterministic_torch
+from .model import HybridModel, ModelConfig, check_context, deterministic_torch
 from .reference import resolve_device
 from .rpc import (
     Failed,
@@ -111,6 +111,9 @@ class PrefillWorker:
         rid = msg.request_id
         try:
             prompt = check_prompt(msg.prompt, self.model.cfg.vocab)
+            too_long = check_context(self.model.cfg, len(prompt), 0)
+            if too_long is not None:
+                raise ValueError(too_long)
             need = prefill_counts(self.model.cfg, len(prompt))
             dst, dst_entries = _check_destination(msg.dst_indices, msg.dst_entries, need)
         except ValueError as exc:

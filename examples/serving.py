@@ -110,14 +110,24 @@ def add_resize_args(parser: argparse.ArgumentParser) -> None:
 def parse_worker_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse a worker's command line, refusing a fixed port that is taken by its flag's name."""
     args = parser.parse_args(argv)
-    if args.transport not in transport.available():
-        parser.error(f"transport {args.transport!r} is not installed here; "
-                     f"choose one of {', '.join(transport.available())}")
+    check_transport(parser, args.transport)
     check_ports_free(parser, args.host, {
         "--port": args.port, "--bootstrap-port": getattr(args, "bootstrap_port", 0),
         "--data-port": args.data_port,
     })
     return args
+
+
+def installed_transports() -> list[str]:
+    """Every backend and named variant (`nixl-all`, `ucx-all`) that imports here."""
+    return transport.available() + transport.variants()
+
+
+def check_transport(parser: argparse.ArgumentParser, name: str) -> None:
+    """`parser.error` unless `name` is an installed backend or variant."""
+    if name not in installed_transports():
+        parser.error(f"transport {name!r} is not installed here; "
+                     f"choose one of {', '.join(installed_transports())}")
 
 
 def cross_process(name: str) -> bool:

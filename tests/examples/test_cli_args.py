@@ -7,7 +7,8 @@ import socket
 import pytest
 import torch
 
-from examples import decode_worker, launch_pd, prefill_worker
+from examples import decode_worker, launch_pd, launch_tp, prefill_worker
+from pdxfer import transport
 
 
 def _usage_error(main, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -56,3 +57,57 @@ def test_worker_names_the_flag_whose_port_is_taken(main, flag: str, extra: list[
 ])
 def test_worker_flag_ranges(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert message in _usage_error(prefill_worker.main, argv, capsys)
+
+
+# Every launch_pd flag is honoured or refused in every mode (#34 item 2): with
+# --prefill-tp/--decode-tp the TP launcher used parse_known_args and ran tcp on
+# CPU whatever --transport/--device/--kill-prefill-after said, exiting 0.
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prefill-tp", "2", "--transport", "pigeon"], "transport 'pigeon' is not installed here"),
+    (["--decode-tp", "2", "--transport", "loopback"],
+     "--transport loopback: every TP rank is its own process"),
+    (["--prefill-tp", "2", "--device", "cuda"], "--device cuda: the TP example runs its ranks on CPU"),
+    (["--prefill-tp", "2", "--kill-prefill-after", "0"],
+     "--kill-prefill-after is not supported with --prefill-tp/--decode-tp"),
+    (["--prefill-tp", "2", "--resize-every", "1"],
+     "--resize-every is not supported with --prefill-tp/--decode-tp"),
+    (["--prefill-tp", "2", "--verbose"], "--verbose is not supported with --prefill-tp/--decode-tp"),
+    (["--prefill-tp", "2", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--prefill-tp", "3"], "--prefill-tp 3 must divide the model's 8 heads"),
+    (["--prefill-tp", "0"], "--prefill-tp: 0 is out of range"),
+    (["--prefill-tp", "2", "--requests", "0"], "--requests: 0 is out of range"),
+    (["--prefill-tp", "2", "--timeout", "nan"], "--timeout: nan is out of range"),
+    (["--prefill-tp", "2", "--prompt-len", "100000"],
+     "over the toy model's 4,096 positions: its attention holds a dense 8 x n x n float32 score "
+     "matrix (320.0 GB for this prompt"),
+])
+def test_tp_mode_refuses_what_it_would_ignore(argv: list[str], message: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert message in _usage_error(launch_pd.main, argv, capsys)
+
+
+def test_prompt_len_past_the_attention_budget_names_the_limit(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Was: an 80 GB allocation attempt inside the reference run.
+    line = _usage_error(launch_pd.main, ["--prompt-len", "100000"], capsys)
+    assert ("--prompt-len 100000 --gen-len 8: 100,000 prompt + 8 generated tokens are over the toy "
+            "model's 8,192 positions") in line and "(80.0 GB for this prompt" in line
+
+
+def test_kill_prefill_after_with_an_in_process_transport_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    line = _usage_error(launch_pd.main, ["--transport", "loopback", "--kill-prefill-after", "0"],
+                        capsys)
+    assert "--kill-prefill-after needs a cross-process transport" in line
+
+
+@pytest.mark.parametrize("variant", transport.variants())
+def test_named_variants_are_accepted(variant: str) -> None:
+    # `nixl-all` (the README's one-host GPU backend) was refused as "not installed".
+    assert launch_pd.parse_args(["--transport", variant]).transport == variant
+    assert launch_tp.parse_args(["--transport", variant]).transport == variant
+
+
+def test_there_is_a_variant_to_accept() -> None:
+    # The parametrized test above runs nothing where no variant imports: say so.
+    assert transport.variants(), "no named variant (nixl-all, ucx-all) imports here"
