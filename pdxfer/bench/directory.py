@@ -32,7 +32,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from ..cliargs import bounded_int, positive_float
+from ..cliargs import bounded_float, bounded_int, etcd_url
 from ..directory import DirectoryError, EtcdDirectory, PeerRecord, Slot
 from ..directory.etcd_server import EtcdServer, find_etcd
 from .report import machine_line
@@ -129,14 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdxfer bench directory", description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=bounded_int(2, 4096), nargs="+", default=[256, 1024],
                         help="simulated peer counts (default: 256 1024)")
-    parser.add_argument("--ttl", type=positive_float, default=10.0,
+    parser.add_argument("--ttl", type=bounded_float(1, 86_400), default=10.0,
                         help="lease TTL of the simulated peers, s (sets the keep-alive load)")
-    parser.add_argument("--departure-ttl", type=positive_float, default=1.0,
+    parser.add_argument("--departure-ttl", type=bounded_float(1, 3_600), default=1.0,
                         help="lease TTL of the peer whose departure is timed, s")
     parser.add_argument("--quick", action="store_true", help="32 peers only: a short run")
     parser.add_argument("--tiny", action="store_true",
                         help="8 peers only, overriding --peers: a smoke run in seconds")
-    parser.add_argument("--etcd", default=None, metavar="URL",
+    parser.add_argument("--etcd", type=etcd_url, default=None, metavar="URL",
                         help="an etcd client URL to use (default: start a throwaway one)")
     # The CLI's edge: the one place this bench reads the environment.
     parser.add_argument("--etcd-binary", default=os.environ.get("PDXFER_ETCD"), metavar="PATH",

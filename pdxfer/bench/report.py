@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..cliargs import bounded_int
+from ..cliargs import bounded_int, name_list
 
 # A run shorter than this prints no progress at all: a quick run stays quiet.
 PROGRESS_AFTER_S = 3.0
@@ -83,8 +83,16 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     """Refuse unwritable output paths and a missing matplotlib before measuring anything."""
     for flag in ("json", "plot"):
         path = getattr(args, flag, None)
-        if path is not None and not path.resolve().parent.is_dir():
-            parser.error(f"--{flag} {path}: directory {path.resolve().parent} does not exist")
+        if path is None:
+            continue
+        parent = path.resolve().parent
+        if path.is_dir():
+            parser.error(f"--{flag} {path} is a directory; name a file in it, "
+                         f"e.g. --{flag} {path / ('bench.' + ('json' if flag == 'json' else 'png'))}")
+        if not parent.is_dir():
+            parser.error(f"--{flag} {path}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            parser.error(f"--{flag} {path}: directory {parent} is not writable")
     if getattr(args, "plot", None) is not None:
         try:
             import matplotlib  # noqa: F401
@@ -338,7 +346,10 @@ def backends_arg(parser: argparse.ArgumentParser, text: str | None, variants: bo
     if text is None:
         names = [b for b in installed if b in TINY_BACKENDS] if tiny else installed
     else:
-        names = [b for b in text.split(",") if b]
+        try:
+            names = name_list(text)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--backends: {exc}")
     unknown = sorted(set(names) - set(installed))
     if unknown or not names:
         parser.error(f"backends {unknown} are not installed; choose from {', '.join(installed)}")
