@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 import torch
@@ -111,3 +112,75 @@ def test_named_variants_are_accepted(variant: str) -> None:
 def test_there_is_a_variant_to_accept() -> None:
     # The parametrized test above runs nothing where no variant imports: say so.
     assert transport.variants(), "no named variant (nixl-all, ucx-all) imports here"
+
+
+# A decode worker whose prefill is absent, mis-addressed or mismatched says
+# "waiting for ..." at once and then ONE line naming the cause (#34 item 4);
+# it was silent for 30 s and then printed a 33-line traceback.
+@pytest.fixture(scope="module")
+def tcp_prefill():
+    from examples.caches import PoolSizes
+    from examples.serving import WorkerOptions
+
+    threads = torch.get_num_threads()
+    worker = prefill_worker.PrefillWorker(WorkerOptions(
+        transport="tcp", device="cpu", sizes=PoolSizes(kv_pages=8, state_entries=2), timeout=2.0))
+    serving = threading.Thread(target=worker.serve_forever, daemon=True)
+    serving.start()
+    try:
+        yield worker.ready_info()
+    finally:
+        worker.close()
+        serving.join(10)
+        torch.set_num_threads(threads)
+
+
+def _closed_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def _decode_fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
+    threads = torch.get_num_threads()
+    try:
+        assert decode_worker.main(argv) == 1
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and not out
+    lines = err.strip().splitlines()
+    assert len(lines) == 2, err
+    return lines
+
+
+def test_decode_without_a_prefill_says_it_waits_then_why_it_gave_up(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    port = _closed_port()
+    waiting, error = _decode_fails(["--prefill", f"127.0.0.1:{port}", "--timeout", "0.5"], capsys)
+    assert waiting == f"waiting for the prefill worker at 127.0.0.1:{port} (up to 2 s)"
+    assert error.startswith(f"error: no prefill worker at 127.0.0.1:{port} within 2 s")
+    assert "Connection refused" in error and "python -m examples.prefill_worker" in error
+
+
+def test_decode_pointed_at_the_bootstrap_port_says_which_address_to_pass(
+        tcp_prefill, capsys: pytest.CaptureFixture[str]) -> None:
+    _, error = _decode_fails(["--prefill", tcp_prefill["bootstrap"], "--timeout", "2"], capsys)
+    assert error.startswith(f"error: {tcp_prefill['bootstrap']} answered, but not as a prefill "
+                            "worker's RPC port")
+    assert "pass --prefill the 'rpc' address of its readiness line, not its 'bootstrap'" in error
+
+
+def test_decode_with_another_transport_names_both(tcp_prefill,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    other = next(n for n in transport.available() + transport.variants()
+                 if n != "tcp" and launch_pd.cross_process(n))
+    _, error = _decode_fails(["--prefill", tcp_prefill["rpc"], "--transport", other,
+                              "--timeout", "2"], capsys)
+    assert error == (f"error: prefill worker uses transport 'tcp', this decode worker {other!r}; "
+                     "pass the same --transport to both")
+
+
+def test_decode_prefill_without_a_port_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    line = _usage_error(decode_worker.main, ["--prefill", "localhost"], capsys)
+    assert "argument --prefill: expected HOST:PORT (the 'rpc' of the prefill worker's readiness " \
+           "line), got 'localhost'" in line
