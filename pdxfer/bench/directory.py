@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import threading
 import time
 import uuid
@@ -39,6 +40,7 @@ from .report import machine_line
 
 _REGISTER_THREADS = 16
 _WAIT = 60.0
+_CONNECT_S = 10.0  # the first contact: a reachable etcd answers in well under this
 
 
 def _record(slot: Slot, i: int) -> PeerRecord:
@@ -125,6 +127,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _reachable(url: str, ttl: float) -> str | None:
+    """Why no etcd answers at `url` within `_CONNECT_S`, or None when one does.
+
+    Asked once, up front, with a short wait: an unreachable etcd used to cost
+    every simulated peer's own connect wait (63 s) and end in an
+    AssertionError from inside the first size.
+    """
+    print(f"waiting for etcd at {url} (up to {_CONNECT_S:.0f} s)", file=sys.stderr, flush=True)
+    probe = EtcdDirectory(url, cluster=f"bench-probe-{uuid.uuid4().hex[:8]}", ttl=ttl,
+                          follow=[("m", "prefill")])
+    try:
+        if probe.wait_connected(_CONNECT_S):
+            return None
+        return (f"no etcd answers at {url} within {_CONNECT_S:.0f} s ({probe.health().reason}); "
+                "start one, or drop --etcd to let the bench start a throwaway one")
+    finally:
+        probe.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdxfer bench directory", description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=bounded_int(2, 4096), nargs="+", default=[256, 1024],
@@ -157,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                              "PATH, pass --etcd-binary PATH (or set PDXFER_ETCD), or pass --etcd URL")
             server = EtcdServer(binary)
             url = server.url
+        reason = _reachable(url, args.ttl)
+        if reason is not None:
+            print(f"error: {reason}", file=sys.stderr, flush=True)
+            return 1
         print(machine_line())
         print(f"# etcd at {url}{' (throwaway, tuned timers)' if server else ''}; "
               f"{threading.active_count()} threads before the run")

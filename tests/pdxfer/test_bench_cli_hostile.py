@@ -90,3 +90,24 @@ def test_hostile_line_is_a_one_line_usage_error(line: str, message: str,
     assert err.strip().splitlines()[-1] == errors[0], err  # the error is the last word
     assert message in errors[0], err
     assert not out  # nothing measured, nothing printed
+
+
+def test_bench_directory_with_no_etcd_there_says_so_in_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Was: 63 s of every simulated peer's connect wait, then an AssertionError (#34 item 4).
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    assert cli.main(["bench", "directory", "--tiny", "--etcd", url]) == 1
+    elapsed = time.monotonic() - started
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and not out
+    waiting, error = err.strip().splitlines()
+    assert waiting == f"waiting for etcd at {url} (up to {bench_directory._CONNECT_S:.0f} s)"
+    assert error.startswith(f"error: no etcd answers at {url} within 10 s (")
+    assert "Connection refused" in error
+    assert elapsed < bench_directory._CONNECT_S + 15, f"took {elapsed:.0f} s"
