@@ -58,10 +58,10 @@ from .rpc import (
     parse_hostport,
 )
 from .serving import (
+    StopSignals,
     WorkerOptions,
     abort_and_release,
     add_worker_args,
-    announce_ready,
     check_prompt,
     logger,
     options_from_args,
@@ -356,24 +356,28 @@ def main(argv: list[str] | None = None) -> int:
     if (args.prefill is None) == (args.directory is None):
         parser.error("give --prefill HOST:PORT (one prefill worker) or --directory URL "
                      "(requests name their prefill instance), not both")
-    deterministic_torch()
-    opts = options_from_args(args, str(resolve_device(args.device)))
-    follow = None
-    if args.directory is not None:
-        def follow(name: str) -> Any:
-            return open_from_args(args, follow=((name, "prefill"),))
-    if args.prefill is not None:
-        print(f"waiting for the prefill worker at {args.prefill} (up to {opts.rpc_timeout:.0f} s)",
-              file=sys.stderr, flush=True)
-    try:
-        worker = DecodeWorker(opts, args.prefill, open_directory=follow)
-    except (PdxferError, RuntimeError, OSError) as exc:
-        # One line naming the cause: what went wrong is the peer or the flags,
-        # never this program, so a traceback would only bury the reason.
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    announce_ready(worker.ready_info())
-    return serve_until_signalled(worker.serve_forever, worker.close, args.die_with_parent)
+    with StopSignals() as signals:  # before the model is built: see StopSignals
+        try:
+            deterministic_torch()
+            opts = options_from_args(args, str(resolve_device(args.device)))
+            follow = None
+            if args.directory is not None:
+                def follow(name: str) -> Any:
+                    return open_from_args(args, follow=((name, "prefill"),))
+            if args.prefill is not None:
+                print(f"waiting for the prefill worker at {args.prefill} "
+                      f"(up to {opts.rpc_timeout:.0f} s)", file=sys.stderr, flush=True)
+            worker = DecodeWorker(opts, args.prefill, open_directory=follow)
+        except KeyboardInterrupt:
+            print("interrupted while starting", file=sys.stderr, flush=True)
+            return 130
+        except (PdxferError, RuntimeError, OSError) as exc:
+            # One line naming the cause: what went wrong is the peer or the
+            # flags, never this program, so a traceback would only bury it.
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        return serve_until_signalled(worker.serve_forever, worker.close, args.die_with_parent,
+                                     signals, worker.ready_info())
 
 
 if __name__ == "__main__":

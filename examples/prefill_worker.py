@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 import threading
 from typing import Any
 
@@ -51,10 +52,10 @@ from .rpc import (
 )
 from .serving import (
     PORT,
+    StopSignals,
     WorkerOptions,
     abort_and_release,
     add_worker_args,
-    announce_ready,
     check_prompt,
     logger,
     options_from_args,
@@ -201,12 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instance", default="p0",
                         help="with --directory: the prefill instance name this worker registers")
     args = parse_worker_args(parser, argv)
-    deterministic_torch()
-    directory = open_from_args(args)
-    worker = PrefillWorker(options_from_args(args, str(resolve_device(args.device))),
-                           directory=directory, instance=args.instance)
-    announce_ready(worker.ready_info())
-    return serve_until_signalled(worker.serve_forever, worker.close, args.die_with_parent)
+    with StopSignals() as signals:  # before the model is built: see StopSignals
+        directory = None
+        try:
+            deterministic_torch()
+            directory = open_from_args(args)
+            worker = PrefillWorker(options_from_args(args, str(resolve_device(args.device))),
+                                   directory=directory, instance=args.instance)
+        except KeyboardInterrupt:
+            if directory is not None:
+                directory.close()
+            print("interrupted while starting", file=sys.stderr, flush=True)
+            return 130
+        return serve_until_signalled(worker.serve_forever, worker.close, args.die_with_parent,
+                                     signals, worker.ready_info())
 
 
 if __name__ == "__main__":

@@ -174,8 +174,51 @@ def parse_ready(line: str) -> dict[str, Any] | None:
     return json.loads(line[len(READY_PREFIX):])
 
 
+class StopSignals:
+    """SIGINT and SIGTERM as ONE `KeyboardInterrupt`; every later one is only counted.
+
+    Installed first thing in a worker's `main`, before the model is built, so
+    no signal finds Python's default handler. Ctrl-C in a terminal reaches
+    the launcher and both workers at once, and the launcher then SIGTERMs
+    each worker: a second signal landing while the worker builds its closer
+    thread used to raise a second `KeyboardInterrupt` there, print its
+    traceback and skip `close()` (`terminate called without an active
+    exception` when a native thread was then torn down). Raising once makes
+    stopping idempotent: the first signal unwinds to the `finally` that
+    closes, and the rest find the worker already stopping.
+    """
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.extra = 0
+        self._saved: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        # Put back on exit: a worker's main() is also called in-process (tests).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.stopping:
+            self.extra += 1
+            return
+        self.stopping = True
+        raise KeyboardInterrupt
+
+    def disarm(self) -> None:
+        """From here on a signal only counts: the caller is closing already."""
+        self.stopping = True
+
+
 def serve_until_signalled(serve: Callable[[], None], close: Callable[[], None],
-                          die_with_parent: bool = False) -> int:
+                          die_with_parent: bool = False,
+                          signals: StopSignals | None = None,
+                          ready_info: dict[str, Any] | None = None) -> int:
     """Run `serve` in this (main) thread until SIGTERM/SIGINT, then `close`.
 
     SIGTERM is turned into a clean exit so the pdxfer engine and the sockets
@@ -183,11 +226,14 @@ def serve_until_signalled(serve: Callable[[], None], close: Callable[[], None],
     `die_with_parent`, stdin reaching EOF counts as a SIGTERM: a launcher
     holds the write end, and the kernel closes it however the launcher dies
     (SIGKILL included), which no signal handler of the launcher could promise.
+    `signals` is the `StopSignals` the caller installed before building what
+    `serve` runs (one is installed here otherwise). `ready_info` is announced
+    (`announce_ready`) inside the same `try`, so a signal that arrives as the
+    launcher reads the line still ends in `close`.
     """
-    def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
+    if signals is None:
+        with StopSignals() as signals:
+            return serve_until_signalled(serve, close, die_with_parent, signals, ready_info)
     if die_with_parent:
         def watch() -> None:
             # The raw fd, not sys.stdin: a daemon thread parked inside a
@@ -198,12 +244,16 @@ def serve_until_signalled(serve: Callable[[], None], close: Callable[[], None],
 
         threading.Thread(target=watch, daemon=True, name="parent-watch").start()
     try:
-        serve()
+        if ready_info is not None:
+            announce_ready(ready_info)
+        if not signals.stopping:  # a signal during start-up: straight to close
+            serve()
     except KeyboardInterrupt:
         pass
     finally:
-        # close() in a thread of its own: a second signal must not interrupt it.
-        closer = threading.Thread(target=close)
+        signals.disarm()
+        # close() in a thread of its own, so that no signal handler runs inside it.
+        closer = threading.Thread(target=close, name="closer")
         closer.start()
         closer.join()
     return 0
