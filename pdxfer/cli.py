@@ -92,7 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         head, rest = _split(rest)
         module = subs[_parser(command).parse_args(head).which][0]
-    return int(importlib.import_module(module).main(rest) or 0)
+    if command != "bench":
+        return int(importlib.import_module(module).main(rest) or 0)
+    from .bench import report
+
+    try:
+        return int(importlib.import_module(module).main(rest) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: how far it got, and the samples so far
+        report.interrupted()
+        return 130
 
 
 if __name__ == "__main__":

@@ -79,8 +79,35 @@ def add_output_args(parser: argparse.ArgumentParser, plot: bool = True) -> None:
                             help="draw the figures to PATH (PNG/SVG; needs pip install pdxfer[plot])")
 
 
+# The run in progress, for `interrupted`: its latest Report and Progress and
+# its --json path. A bench is one run per process (or per in-process call).
+_LIVE: dict[str, Any] = {}
+
+
+def interrupted(stream: TextIO | None = None) -> None:
+    """On Ctrl-C: say how far the run got and write what it measured to its `--json`.
+
+    A partial JSON carries `"interrupted": true` and every sample taken so far;
+    its rows and legend are those of the cases that finished, if any.
+    """
+    stream = sys.stderr if stream is None else stream
+    progress, report, path = _LIVE.get("progress"), _LIVE.get("report"), _LIVE.get("json")
+    if progress is not None:
+        stream.write(f"interrupted after {progress.done} of {progress.total} {progress.what}\n")
+    else:
+        stream.write("interrupted before the first case finished\n")
+    if report is not None and path is not None:
+        report.data["interrupted"] = True
+        path.write_text(json.dumps(report.data, indent=1, default=float) + "\n")
+        stream.write(f"# wrote {len(report.data['samples'])} raw samples (partial) to {path}\n")
+    stream.flush()
+    _LIVE.clear()
+
+
 def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse unwritable output paths and a missing matplotlib before measuring anything."""
+    _LIVE.clear()
+    _LIVE["json"] = getattr(args, "json", None)
     for flag in ("json", "plot"):
         path = getattr(args, flag, None)
         if path is None:
@@ -113,6 +140,7 @@ class Progress:
         self.started = time.monotonic()
         self.last = float("-inf")
         self.shown = False
+        _LIVE["progress"] = self
 
     def step(self, label: str = "") -> None:
         """One row finished."""
@@ -137,6 +165,7 @@ class Report:
             "bench": bench, "machine": machine(), "backends": list(backends),
             "params": params, "columns": {}, "samples": [], "rows": [],
         }
+        _LIVE["report"] = self
 
     def sample(self, **fields: Any) -> None:
         """One raw measurement (a list of seconds, a per-request figure...) with its case."""
