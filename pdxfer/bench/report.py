@@ -12,7 +12,7 @@ the markdown table; one wider than `--width` is cut into several that share
 their leading key columns (every column stays in `--json` whatever is
 printed). `backends_arg` is the one parser of `--backends`.
 
-matplotlib is an optional extra (`pip install pdxfer[plot]`); `--plot` asks
+matplotlib is an optional extra (`pip install '/path/to/pdxfer[plot]'`); `--plot` asks
 for it only when used and says how to get it when missing. `figure` puts
 the legend beside the axes, never over the data, and `log_if_dwarfed` says
 when a panel's values span so much that a linear axis would flatten all but
@@ -76,7 +76,7 @@ def add_output_args(parser: argparse.ArgumentParser, plot: bool = True) -> None:
                              "0: one table however wide)")
     if plot:
         parser.add_argument("--plot", metavar="PATH", type=Path, default=None,
-                            help="draw the figures to PATH (PNG/SVG; needs pip install pdxfer[plot])")
+                            help="draw the figures to PATH (PNG/SVG; needs the plot extra: pip install matplotlib)")
 
 
 # The run in progress, for `interrupted`: its latest Report and Progress and
