@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         module = subs[_parser(command).parse_args(head).which][0]
     if command != "bench":
         return int(importlib.import_module(module).main(rest) or 0)
-    from .bench import report
-
+    report = importlib.import_module("pdxfer.bench.report")  # by name: see the module docstring
     try:
         return int(importlib.import_module(module).main(rest) or 0)
     except KeyboardInterrupt:  # Ctrl-C: how far it got, and the samples so far
