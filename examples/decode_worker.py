@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from pdxfer.directory import PeerRecord
 from .caches import POOLS, ModelCaches, PoolExhausted, decode_counts, prefill_counts
 from .cluster import add_directory_args, model_name, open_from_args, resolve_prefill
 from .elastic import BoundaryMover
-from .model import HybridModel, ModelConfig, deterministic_torch
+from .model import HybridModel, ModelConfig, check_context, deterministic_torch
 from .reference import resolve_device
 from .rpc import (
     Failed,
@@ -57,10 +58,10 @@ from .rpc import (
     parse_hostport,
 )
 from .serving import (
+    StopSignals,
     WorkerOptions,
     abort_and_release,
     add_worker_args,
-    announce_ready,
     check_prompt,
     logger,
     options_from_args,
@@ -127,11 +128,24 @@ class DecodeWorker:
             try:
                 link = self._prefill_link()
                 break
-            except PeerLostError:
+            except PeerLostError as exc:
                 if time.monotonic() > deadline:
-                    raise
+                    raise PeerLostError(
+                        f"no prefill worker at {self.prefill_rpc} within "
+                        f"{self.opts.rpc_timeout:.0f} s ({exc}); start one with "
+                        "`python -m examples.prefill_worker` and pass its readiness line's 'rpc'"
+                    ) from exc
                 time.sleep(0.5)
-        reply = expect_reply(link.call(Hello()), HelloReply)
+        try:
+            reply = expect_reply(link.call(Hello()), HelloReply)
+        except (PdxferError, OSError, ValueError) as exc:
+            # Something listens there but does not speak the example's RPC:
+            # most often the prefill worker's pdxfer bootstrap port, the other
+            # address of its readiness line.
+            raise PeerLostError(
+                f"{self.prefill_rpc} answered, but not as a prefill worker's RPC port ({exc}); "
+                "pass --prefill the 'rpc' address of its readiness line, not its 'bootstrap'"
+            ) from exc
         mine = self.model.digest()
         if reply.model_digest != mine:
             raise RuntimeError(
@@ -208,6 +222,9 @@ class DecodeWorker:
             prompt = check_prompt(msg.prompt, cfg.vocab)
             if msg.gen_len < 1:
                 raise ValueError(f"gen_len must be at least 1, got {msg.gen_len}")
+            too_long = check_context(cfg, len(prompt), msg.gen_len)
+            if too_long is not None:
+                raise ValueError(too_long)
             idx = self.caches.allocate(decode_counts(cfg, len(prompt), msg.gen_len))
         except (ValueError, PoolExhausted) as exc:
             return Failed(rid, f"decode refused request {rid!r}: {exc}")
@@ -316,27 +333,51 @@ class DecodeWorker:
                 self._lock.release()
 
 
+def _hostport(text: str) -> str:
+    """An argparse `type` for `--prefill`: HOST:PORT, checked before anything starts."""
+    try:
+        parse_hostport(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT (the 'rpc' of the prefill worker's readiness line), got {text!r}"
+        ) from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m examples.decode_worker --prefill HOST:PORT`: serve until SIGTERM/SIGINT."""
     parser = argparse.ArgumentParser(prog="python -m examples.decode_worker",
                                      description=__doc__.splitlines()[0])
     add_worker_args(parser)
-    parser.add_argument("--prefill", default=None, metavar="HOST:PORT",
+    parser.add_argument("--prefill", type=_hostport, default=None, metavar="HOST:PORT",
                         help="the prefill worker's RPC address (its readiness line's 'rpc')")
     add_directory_args(parser)
     args = parse_worker_args(parser, argv)
     if (args.prefill is None) == (args.directory is None):
         parser.error("give --prefill HOST:PORT (one prefill worker) or --directory URL "
                      "(requests name their prefill instance), not both")
-    deterministic_torch()
-    opts = options_from_args(args, str(resolve_device(args.device)))
-    follow = None
-    if args.directory is not None:
-        def follow(name: str) -> Any:
-            return open_from_args(args, follow=((name, "prefill"),))
-    worker = DecodeWorker(opts, args.prefill, open_directory=follow)
-    announce_ready(worker.ready_info())
-    return serve_until_signalled(worker.serve_forever, worker.close, args.die_with_parent)
+    with StopSignals() as signals:  # before the model is built: see StopSignals
+        try:
+            deterministic_torch()
+            opts = options_from_args(args, str(resolve_device(args.device)))
+            follow = None
+            if args.directory is not None:
+                def follow(name: str) -> Any:
+                    return open_from_args(args, follow=((name, "prefill"),))
+            if args.prefill is not None:
+                print(f"waiting for the prefill worker at {args.prefill} "
+                      f"(up to {opts.rpc_timeout:.0f} s)", file=sys.stderr, flush=True)
+            worker = DecodeWorker(opts, args.prefill, open_directory=follow)
+        except KeyboardInterrupt:
+            print("interrupted while starting", file=sys.stderr, flush=True)
+            return 130
+        except (PdxferError, RuntimeError, OSError) as exc:
+            # One line naming the cause: what went wrong is the peer or the
+            # flags, never this program, so a traceback would only bury it.
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        return serve_until_signalled(worker.serve_forever, worker.close, args.die_with_parent,
+                                     signals, worker.ready_info())
 
 
 if __name__ == "__main__":

@@ -43,14 +43,13 @@ from dataclasses import dataclass, field
 
 from pdxfer.transport.errors import PeerLostError, TransferTimeout
 
-from pdxfer import transport
 from pdxfer.cliargs import bounded_int, device_name, positive_float
 
 from .caches import PoolSizes, decode_counts
 from .elastic import ResizeFigures
 from .elastic import figures_from_wire as resize_from_wire
 from .launching import WorkerHandle, WorkerStartError, spawn_worker, start_in_process
-from .model import HybridModel, ModelConfig, deterministic_torch
+from .model import HybridModel, ModelConfig, check_context, deterministic_torch
 from .reference import reference_generate, resolve_device
 from .rpc import (
     Failed,
@@ -63,7 +62,13 @@ from .rpc import (
     expect_reply,
     figures_from_wire,
 )
-from .serving import WorkerOptions, add_resize_args, cross_process
+from .serving import (
+    WorkerOptions,
+    add_resize_args,
+    check_transport,
+    cross_process,
+    installed_transports,
+)
 
 _STARTUP_TIMEOUT_S = 90.0  # two torch imports on a loaded machine
 
@@ -86,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m examples.launch_pd",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--transport", default="tcp",
-                        help=f"pdxfer transport backend (installed: {', '.join(transport.available())})")
+                        help=f"pdxfer transport backend (installed: {', '.join(installed_transports())})")
     parser.add_argument("--requests", type=bounded_int(1), default=8)
     parser.add_argument("--prompt-len", type=bounded_int(1), default=48)
     parser.add_argument("--gen-len", type=bounded_int(1), default=8)
@@ -99,9 +104,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="workers log each request")
     add_resize_args(parser)
     args = parser.parse_args(argv)
-    if args.transport not in transport.available():
-        parser.error(f"transport {args.transport!r} is not installed here; "
-                     f"choose one of {', '.join(transport.available())}")
+    check_transport(parser, args.transport)
+    why = check_context(ModelConfig(), args.prompt_len, args.gen_len)
+    if why is not None:
+        parser.error(f"--prompt-len {args.prompt_len} --gen-len {args.gen_len}: {why}")
+    if args.kill_prefill_after is not None and not cross_process(args.transport):
+        parser.error(f"--kill-prefill-after needs a cross-process transport; "
+                     f"{args.transport!r} runs both workers in this process")
     if args.kill_prefill_after is not None and args.kill_prefill_after >= args.requests:
         parser.error(f"--kill-prefill-after {args.kill_prefill_after} names no request; "
                      f"requests are numbered 0..{args.requests - 1}")
@@ -122,9 +131,6 @@ def start_workers(args: argparse.Namespace, device: str, sizes: PoolSizes,
                               _STARTUP_TIMEOUT_S)
         handles.append(decode)
         return prefill, decode
-    if args.kill_prefill_after is not None:
-        raise WorkerStartError(f"--kill-prefill-after needs a cross-process transport; "
-                               f"{args.transport!r} runs both workers in this process")
     from .decode_worker import DecodeWorker
     from .prefill_worker import PrefillWorker
 

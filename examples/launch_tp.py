@@ -23,33 +23,65 @@ import time
 
 from pdxfer.layout import contributing_ranks
 
+from pdxfer.cliargs import bounded_int, positive_float
+
 from .caches import prefill_counts
 from .launching import WorkerStartError
+from .model import check_context
+from .serving import check_transport, cross_process, installed_transports
 from .tp_model import TP_CONFIG, tp_reference
 from .tp_rank import forked, prompts
 
+# launch_pd's flags that the TP variant has no counterpart for: refused by
+# name (a flag that is silently dropped is a flag that lies).
+_PD_ONLY = {
+    "--kill-prefill-after": "the TP ranks are forked children with no kill hook",
+    "--resize-every": "the TP pools are shard-major arenas, not elastic pools",
+    "--resize-step": "the TP pools are shard-major arenas, not elastic pools",
+    "--verbose": "the TP ranks log nothing per request",
+}
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The TP launcher's flags; every flag is honoured or refused by name, none ignored."""
     parser = argparse.ArgumentParser(prog="python -m examples.launch_tp",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--prefill-tp", type=int, default=4)
-    parser.add_argument("--decode-tp", type=int, default=2)
+    parser.add_argument("--prefill-tp", type=bounded_int(1), default=4)
+    parser.add_argument("--decode-tp", type=bounded_int(1), default=2)
     parser.add_argument("--replicated", action="store_true",
                         help="MLA-style: K/V replicated on every rank, shipped from one")
-    parser.add_argument("--requests", type=int, default=2)
-    parser.add_argument("--prompt-len", type=int, default=12)
-    parser.add_argument("--gen-len", type=int, default=4)
+    parser.add_argument("--transport", default="tcp",
+                        help="pdxfer backend every rank's engine uses; it must cross processes "
+                        f"(installed: {', '.join(installed_transports())})")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (or auto): the TP ranks run on CPU only")
+    parser.add_argument("--requests", type=bounded_int(1), default=2)
+    parser.add_argument("--prompt-len", type=bounded_int(1), default=12)
+    parser.add_argument("--gen-len", type=bounded_int(1), default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=20.0)
-    args, _ = parser.parse_known_args(argv)  # launch_pd's own flags may ride along
+    parser.add_argument("--timeout", type=positive_float, default=20.0)
+    for flag in _PD_ONLY:
+        parser.add_argument(flag, default=None, help=argparse.SUPPRESS,
+                            **({"action": "store_true"} if flag == "--verbose" else {}))
+    args = parser.parse_args(argv)
+    for flag, why in _PD_ONLY.items():
+        if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
+            parser.error(f"{flag} is not supported with --prefill-tp/--decode-tp: {why}")
+    if args.device.strip().lower() not in ("cpu", "auto"):
+        parser.error(f"--device {args.device}: the TP example runs its ranks on CPU only "
+                     "(gloo groups, CPU pools); use --device cpu")
+    check_transport(parser, args.transport)
+    if not cross_process(args.transport):
+        parser.error(f"--transport {args.transport}: every TP rank is its own process, and "
+                     f"{args.transport!r} cannot connect two processes")
     for name in ("prefill_tp", "decode_tp"):
         tp = getattr(args, name)
-        if tp < 1 or TP_CONFIG.heads % tp:
+        if TP_CONFIG.heads % tp:
             parser.error(f"--{name.replace('_', '-')} {tp} must divide the model's "
                          f"{TP_CONFIG.heads} heads")
-    for name in ("requests", "prompt_len", "gen_len"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    why = check_context(TP_CONFIG, args.prompt_len, args.gen_len)
+    if why is not None:
+        parser.error(f"--prompt-len {args.prompt_len} --gen-len {args.gen_len}: {why}")
     return args
 
 
@@ -58,7 +90,8 @@ def _rank_argv(args: argparse.Namespace, role: str, tp: int, peer_tp: int, rank:
     return ["--role", role, "--tp", str(tp), "--rank", str(rank), "--peer-tp", str(peer_tp),
             "--store", store, "--requests", str(args.requests), "--prompt-len",
             str(args.prompt_len), "--gen-len", str(args.gen_len), "--seed", str(args.seed),
-            "--timeout", str(args.timeout)] + (["--replicated"] if args.replicated else [])
+            "--timeout", str(args.timeout), "--transport", args.transport,
+            ] + (["--replicated"] if args.replicated else [])
 
 
 class Rank:
@@ -107,7 +140,8 @@ def expected_segments(args: argparse.Namespace, q: int) -> int:
 def run(args: argparse.Namespace) -> int:
     P, D = args.prefill_tp, args.decode_tp
     print(f"pdxfer heterogeneous-TP example: prefill TP {P} -> decode TP {D}"
-          f"{' (replicated K/V, MLA-style)' if args.replicated else ''}, {args.requests} "
+          f"{' (replicated K/V, MLA-style)' if args.replicated else ''}, transport "
+          f"{args.transport}, device cpu, {args.requests} "
           f"requests, prompt {args.prompt_len}, {args.gen_len} generated", flush=True)
     ranks: list[Rank] = []
     started = time.monotonic()
@@ -122,9 +156,10 @@ def run(args: argparse.Namespace) -> int:
                                              os.path.join(tmp, "decode"))))
             ready = [r.expect("ready", deadline) for r in ranks]
             group = ",".join(info["bootstrap"] for info in ready[:P])
+            used = sorted({info["transport"] for info in ready})
             print(f"  {P + D} rank processes ready (pids "
-                  f"{', '.join(str(r.proc.pid) for r in ranks)}); prefill group {group}",
-                  flush=True)
+                  f"{', '.join(str(r.proc.pid) for r in ranks)}, engines over "
+                  f"{', '.join(used)}); prefill group {group}", flush=True)
             for r in ranks[P:]:
                 r.conn.send(group)
             results = [r.expect("result", deadline) for r in ranks]

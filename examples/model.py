@@ -30,6 +30,7 @@ what would make the shapes differ between the reference and the workers.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,34 @@ class ModelConfig:
     ring: int = 5
     comp_dim: int = 32
     seed: int = 20240607
+
+
+# What one prefill's attention scores may take: `_attention` holds a dense
+# [heads, prompt, prompt] float32 score matrix (no flash kernel in a toy), so
+# the prompt length, not the pools, is what runs a machine out of memory: a
+# 100,000-token prompt would ask for 80 GB. The launchers refuse past this.
+SCORES_BUDGET_BYTES = 512 << 20
+
+
+def scores_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """Bytes of the attention score matrix a forward over `tokens` positions holds."""
+    return cfg.heads * tokens * tokens * 4
+
+
+def max_context(cfg: ModelConfig) -> int:
+    """The most positions (prompt + generated) whose scores fit `SCORES_BUDGET_BYTES`."""
+    return math.isqrt(SCORES_BUDGET_BYTES // (cfg.heads * 4))
+
+
+def check_context(cfg: ModelConfig, prompt_len: int, gen_len: int) -> str | None:
+    """Why `prompt_len + gen_len` positions are too many for the toy model, or None."""
+    limit = max_context(cfg)
+    if prompt_len + gen_len <= limit:
+        return None
+    return (f"{prompt_len:,} prompt + {gen_len:,} generated tokens are over the toy model's "
+            f"{limit:,} positions: its attention holds a dense {cfg.heads} x n x n float32 "
+            f"score matrix ({scores_bytes(cfg, prompt_len) / 1e9:.1f} GB for this prompt, "
+            f"the limit is {SCORES_BUDGET_BYTES >> 20} MiB)")
 
 
 def deterministic_torch() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 import threading
 from typing import Any
 
@@ -37,7 +38,7 @@ from .caches import (
 )
 from .cluster import add_directory_args, open_from_args, register_prefill
 from .elastic import BoundaryMover
-from .model import HybridModel, ModelConfig, deterministic_torch
+from .model import HybridModel, ModelConfig, check_context, deterministic_torch
 from .reference import resolve_device
 from .rpc import (
     Failed,
@@ -51,10 +52,10 @@ from .rpc import (
 )
 from .serving import (
     PORT,
+    StopSignals,
     WorkerOptions,
     abort_and_release,
     add_worker_args,
-    announce_ready,
     check_prompt,
     logger,
     options_from_args,
@@ -111,6 +112,9 @@ class PrefillWorker:
         rid = msg.request_id
         try:
             prompt = check_prompt(msg.prompt, self.model.cfg.vocab)
+            too_long = check_context(self.model.cfg, len(prompt), 0)
+            if too_long is not None:
+                raise ValueError(too_long)
             need = prefill_counts(self.model.cfg, len(prompt))
             dst, dst_entries = _check_destination(msg.dst_indices, msg.dst_entries, need)
         except ValueError as exc:
@@ -198,12 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instance", default="p0",
                         help="with --directory: the prefill instance name this worker registers")
     args = parse_worker_args(parser, argv)
-    deterministic_torch()
-    directory = open_from_args(args)
-    worker = PrefillWorker(options_from_args(args, str(resolve_device(args.device))),
-                           directory=directory, instance=args.instance)
-    announce_ready(worker.ready_info())
-    return serve_until_signalled(worker.serve_forever, worker.close, args.die_with_parent)
+    with StopSignals() as signals:  # before the model is built: see StopSignals
+        directory = None
+        try:
+            deterministic_torch()
+            directory = open_from_args(args)
+            worker = PrefillWorker(options_from_args(args, str(resolve_device(args.device))),
+                                   directory=directory, instance=args.instance)
+        except KeyboardInterrupt:
+            if directory is not None:
+                directory.close()
+            print("interrupted while starting", file=sys.stderr, flush=True)
+            return 130
+        return serve_until_signalled(worker.serve_forever, worker.close, args.die_with_parent,
+                                     signals, worker.ready_info())
 
 
 if __name__ == "__main__":

@@ -192,6 +192,9 @@ def expect_reply(msg: Any, kind: type, request_id: str | None = None) -> Any:
     return msg
 
 
+_WAKE_S = 0.2  # how late serve_forever notices a signal another thread received
+
+
 class RpcServer:
     """Accepts connections and answers each message with `handler(msg)`.
 
@@ -220,6 +223,14 @@ class RpcServer:
         """Accept until `close()`; returns then."""
         while not self._closed.is_set():
             try:
+                # A bounded wait, not a blocking accept: the kernel may hand a
+                # SIGINT/SIGTERM to any thread (an engine's), and Python runs
+                # the handler only when the main thread next runs bytecode; a
+                # main thread parked in accept() would never stop (seen: 2 of
+                # 4 decode workers ignored a burst of signals for good).
+                ready, _, _ = select.select([self._sock], [], [], _WAKE_S)
+                if not ready:
+                    continue
                 conn, _ = self._sock.accept()
             except OSError:
                 break

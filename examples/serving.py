@@ -110,14 +110,24 @@ def add_resize_args(parser: argparse.ArgumentParser) -> None:
 def parse_worker_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse a worker's command line, refusing a fixed port that is taken by its flag's name."""
     args = parser.parse_args(argv)
-    if args.transport not in transport.available():
-        parser.error(f"transport {args.transport!r} is not installed here; "
-                     f"choose one of {', '.join(transport.available())}")
+    check_transport(parser, args.transport)
     check_ports_free(parser, args.host, {
         "--port": args.port, "--bootstrap-port": getattr(args, "bootstrap_port", 0),
         "--data-port": args.data_port,
     })
     return args
+
+
+def installed_transports() -> list[str]:
+    """Every backend and named variant (`nixl-all`, `ucx-all`) that imports here."""
+    return transport.available() + transport.variants()
+
+
+def check_transport(parser: argparse.ArgumentParser, name: str) -> None:
+    """`parser.error` unless `name` is an installed backend or variant."""
+    if name not in installed_transports():
+        parser.error(f"transport {name!r} is not installed here; "
+                     f"choose one of {', '.join(installed_transports())}")
 
 
 def cross_process(name: str) -> bool:
@@ -164,8 +174,51 @@ def parse_ready(line: str) -> dict[str, Any] | None:
     return json.loads(line[len(READY_PREFIX):])
 
 
+class StopSignals:
+    """SIGINT and SIGTERM as ONE `KeyboardInterrupt`; every later one is only counted.
+
+    Installed first thing in a worker's `main`, before the model is built, so
+    no signal finds Python's default handler. Ctrl-C in a terminal reaches
+    the launcher and both workers at once, and the launcher then SIGTERMs
+    each worker: a second signal landing while the worker builds its closer
+    thread used to raise a second `KeyboardInterrupt` there, print its
+    traceback and skip `close()` (`terminate called without an active
+    exception` when a native thread was then torn down). Raising once makes
+    stopping idempotent: the first signal unwinds to the `finally` that
+    closes, and the rest find the worker already stopping.
+    """
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.extra = 0
+        self._saved: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        # Put back on exit: a worker's main() is also called in-process (tests).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.stopping:
+            self.extra += 1
+            return
+        self.stopping = True
+        raise KeyboardInterrupt
+
+    def disarm(self) -> None:
+        """From here on a signal only counts: the caller is closing already."""
+        self.stopping = True
+
+
 def serve_until_signalled(serve: Callable[[], None], close: Callable[[], None],
-                          die_with_parent: bool = False) -> int:
+                          die_with_parent: bool = False,
+                          signals: StopSignals | None = None,
+                          ready_info: dict[str, Any] | None = None) -> int:
     """Run `serve` in this (main) thread until SIGTERM/SIGINT, then `close`.
 
     SIGTERM is turned into a clean exit so the pdxfer engine and the sockets
@@ -173,11 +226,14 @@ def serve_until_signalled(serve: Callable[[], None], close: Callable[[], None],
     `die_with_parent`, stdin reaching EOF counts as a SIGTERM: a launcher
     holds the write end, and the kernel closes it however the launcher dies
     (SIGKILL included), which no signal handler of the launcher could promise.
+    `signals` is the `StopSignals` the caller installed before building what
+    `serve` runs (one is installed here otherwise). `ready_info` is announced
+    (`announce_ready`) inside the same `try`, so a signal that arrives as the
+    launcher reads the line still ends in `close`.
     """
-    def stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
+    if signals is None:
+        with StopSignals() as signals:
+            return serve_until_signalled(serve, close, die_with_parent, signals, ready_info)
     if die_with_parent:
         def watch() -> None:
             # The raw fd, not sys.stdin: a daemon thread parked inside a
@@ -188,12 +244,16 @@ def serve_until_signalled(serve: Callable[[], None], close: Callable[[], None],
 
         threading.Thread(target=watch, daemon=True, name="parent-watch").start()
     try:
-        serve()
+        if ready_info is not None:
+            announce_ready(ready_info)
+        if not signals.stopping:  # a signal during start-up: straight to close
+            serve()
     except KeyboardInterrupt:
         pass
     finally:
-        # close() in a thread of its own: a second signal must not interrupt it.
-        closer = threading.Thread(target=close)
+        signals.disarm()
+        # close() in a thread of its own, so that no signal handler runs inside it.
+        closer = threading.Thread(target=close, name="closer")
         closer.start()
         closer.join()
     return 0

@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--replicated", action="store_true", help="MLA-style replicated K/V")
+    parser.add_argument("--transport", default="tcp", help="pdxfer backend of this rank's engine")
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.tp:
         parser.error(f"--rank {args.rank} outside 0..{args.tp - 1}")
@@ -86,17 +87,18 @@ def run(args: argparse.Namespace, announce=announce_ready,
     sizes = PoolSizes(kv_pages=args.requests * need["kv"], state_entries=args.requests)
     caches = TPCaches(cfg, sizes, model.device, tp=args.tp, rank=args.rank,
                       replicated_kv=args.replicated)
-    config = EngineConfig(transport="tcp", timeout=args.timeout)
+    config = EngineConfig(transport=args.transport, timeout=args.timeout)
     result: dict = {"role": args.role, "rank": args.rank, "tokens": {}, "segments": {},
                     "nbytes": {}, "pairs": {}}
     if args.role == "prefill":
         engine = PrefillEngine(caches.pools, config)
         group_side = HeteroTPPrefill(engine, caches.pools)
-        announce({"role": "prefill", "rank": args.rank, "bootstrap": engine.bootstrap_address})
+        announce({"role": "prefill", "rank": args.rank, "bootstrap": engine.bootstrap_address,
+                  "transport": engine.config.transport})
     else:
         engine = DecodeEngine(caches.pools, config)
         group_side = HeteroTPDecode(engine, caches.pools)
-        announce({"role": "decode", "rank": args.rank})
+        announce({"role": "decode", "rank": args.rank, "transport": engine.config.transport})
     try:
         if args.role == "prefill":
             _prefill(args, model, caches, group_side, result)

@@ -92,7 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         head, rest = _split(rest)
         module = subs[_parser(command).parse_args(head).which][0]
-    return int(importlib.import_module(module).main(rest) or 0)
+    if command != "bench":
+        return int(importlib.import_module(module).main(rest) or 0)
+    report = importlib.import_module("pdxfer.bench.report")  # by name: see the module docstring
+    try:
+        return int(importlib.import_module(module).main(rest) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: how far it got, and the samples so far
+        report.interrupted()
+        return 130
 
 
 if __name__ == "__main__":

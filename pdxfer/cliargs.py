@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import socket
+import urllib.parse
 from collections.abc import Callable
 
-__all__ = ["bounded_int", "check_ports_free", "device_name", "positive_float"]
+__all__ = ["bounded_float", "bounded_int", "check_ports_free", "device_name", "etcd_url",
+           "int_list", "name_list", "positive_float"]
 
 
 def bounded_int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -44,6 +47,73 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text} is out of range; it must be a finite number > 0")
     return value
+
+
+def bounded_float(minimum: float, maximum: float) -> Callable[[str], float]:
+    """An argparse `type` accepting a finite float in `minimum..maximum` (inclusive).
+
+    A bound on both sides: a `--ttl 1e30` is not a long run, it is an
+    overflow somewhere inside (an etcd lease counts whole seconds in an int64).
+    """
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(value) and minimum <= value <= maximum):
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range; it must be a number in {minimum:g}..{maximum:g}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def int_list(minimum: int, maximum: int) -> Callable[[str], list[int]]:
+    """An argparse `type` for `1,2,4`: distinct integers in `minimum..maximum`, none empty."""
+    one = bounded_int(minimum, maximum)
+
+    def parse(text: str) -> list[int]:
+        items = text.split(",")
+        if not text or any(not item.strip() for item in items):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} has an empty item; give comma-separated integers like 1,2,4")
+        values = [one(item.strip()) for item in items]
+        if len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"{text!r} names a value twice")
+        return values
+
+    parse.__name__ = "list"
+    return parse
+
+
+def name_list(text: str) -> list[str]:
+    """An argparse `type` for `tcp,nixl`: distinct names, none empty (the caller checks them)."""
+    items = [item.strip() for item in text.split(",")]
+    if not text or any(not item for item in items):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has an empty item; give comma-separated names like tcp,nixl")
+    if len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"{text!r} names {_twice(items)!r} twice")
+    return items
+
+
+def _twice(items: list[str]) -> str:
+    return next(item for i, item in enumerate(items) if item in items[:i])
+
+
+def etcd_url(text: str) -> str:
+    """An argparse `type` for an etcd client URL: http(s)://HOST:PORT, nothing after the port."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an etcd client URL; give http://HOST:PORT (e.g. http://127.0.0.1:2379)")
+    return text
 
 
 def device_name(text: str) -> str:

@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from ..cliargs import bounded_int, positive_float
+from ..cliargs import bounded_float, bounded_int
 from ..config import EngineConfig, KVPoll
 from ..errors import UnknownRequestError
 from ..prefill import PrefillEngine
@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdxfer bench chunked", description=__doc__.split("\n")[0])
     parser.add_argument("--pages", type=bounded_int(2, 4096), default=256, help="KV pages per request")
     parser.add_argument("--chunks", type=bounded_int(2, 64), default=8, help="prefill chunks per request")
-    parser.add_argument("--compute-ms", type=positive_float, default=10.0, help="busy ms per chunk")
-    parser.add_argument("--reps", type=bounded_int(1), default=5, help="timed requests per mode (median)")
+    parser.add_argument("--compute-ms", type=bounded_float(0.001, 60_000), default=10.0,
+                        help="busy ms per chunk (0.001..60000)")
+    parser.add_argument("--reps", type=bounded_int(1, 10_000), default=5, help="timed requests per mode (median)")
     parser.add_argument("--backends", default="loopback,tcp", help="comma-separated backends")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: the decode engine in a child process, as deployed")

@@ -27,18 +27,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from ..cliargs import bounded_int, positive_float
+from ..cliargs import bounded_float, bounded_int, etcd_url
 from ..directory import DirectoryError, EtcdDirectory, PeerRecord, Slot
 from ..directory.etcd_server import EtcdServer, find_etcd
 from .report import machine_line
 
 _REGISTER_THREADS = 16
 _WAIT = 60.0
+_CONNECT_S = 10.0  # the first contact: a reachable etcd answers in well under this
 
 
 def _record(slot: Slot, i: int) -> PeerRecord:
@@ -125,18 +127,37 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _reachable(url: str, ttl: float) -> str | None:
+    """Why no etcd answers at `url` within `_CONNECT_S`, or None when one does.
+
+    Asked once, up front, with a short wait: an unreachable etcd used to cost
+    every simulated peer's own connect wait (63 s) and end in an
+    AssertionError from inside the first size.
+    """
+    print(f"waiting for etcd at {url} (up to {_CONNECT_S:.0f} s)", file=sys.stderr, flush=True)
+    probe = EtcdDirectory(url, cluster=f"bench-probe-{uuid.uuid4().hex[:8]}", ttl=ttl,
+                          follow=[("m", "prefill")])
+    try:
+        if probe.wait_connected(_CONNECT_S):
+            return None
+        return (f"no etcd answers at {url} within {_CONNECT_S:.0f} s ({probe.health().reason}); "
+                "start one, or drop --etcd to let the bench start a throwaway one")
+    finally:
+        probe.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdxfer bench directory", description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=bounded_int(2, 4096), nargs="+", default=[256, 1024],
                         help="simulated peer counts (default: 256 1024)")
-    parser.add_argument("--ttl", type=positive_float, default=10.0,
+    parser.add_argument("--ttl", type=bounded_float(1, 86_400), default=10.0,
                         help="lease TTL of the simulated peers, s (sets the keep-alive load)")
-    parser.add_argument("--departure-ttl", type=positive_float, default=1.0,
+    parser.add_argument("--departure-ttl", type=bounded_float(1, 3_600), default=1.0,
                         help="lease TTL of the peer whose departure is timed, s")
     parser.add_argument("--quick", action="store_true", help="32 peers only: a short run")
     parser.add_argument("--tiny", action="store_true",
                         help="8 peers only, overriding --peers: a smoke run in seconds")
-    parser.add_argument("--etcd", default=None, metavar="URL",
+    parser.add_argument("--etcd", type=etcd_url, default=None, metavar="URL",
                         help="an etcd client URL to use (default: start a throwaway one)")
     # The CLI's edge: the one place this bench reads the environment.
     parser.add_argument("--etcd-binary", default=os.environ.get("PDXFER_ETCD"), metavar="PATH",
@@ -157,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                              "PATH, pass --etcd-binary PATH (or set PDXFER_ETCD), or pass --etcd URL")
             server = EtcdServer(binary)
             url = server.url
+        reason = _reachable(url, args.ttl)
+        if reason is not None:
+            print(f"error: {reason}", file=sys.stderr, flush=True)
+            return 1
         print(machine_line())
         print(f"# etcd at {url}{' (throwaway, tuned timers)' if server else ''}; "
               f"{threading.active_count()} threads before the run")

@@ -234,14 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     # two, --tiny over everything (the docs test appends it to whatever the line says).
     sizes = {"slots": (4096, 256, 64), "reps": (7, 3, 1), "sim_slots": (2048, 256, 64),
              "step": (128, 16, 8), "moves": (200, 20, 4)}
-    parser.add_argument("--slots", type=bounded_int(8),
+    parser.add_argument("--slots", type=bounded_int(8, 1 << 16),
                         help="slots of the allocation (64 KiB each) for the throughput table (4096)")
-    parser.add_argument("--reps", type=bounded_int(1), help="timed moves per case, median (7)")
-    parser.add_argument("--sim-slots", type=bounded_int(64), help="slots of the simulated pool (2048)")
-    parser.add_argument("--step", type=bounded_int(1), help="slots a simulated move shifts (128)")
-    parser.add_argument("--moves", type=bounded_int(2), help="simulated moves per allocator (200)")
+    parser.add_argument("--reps", type=bounded_int(1, 10_000), help="timed moves per case, median (7)")
+    parser.add_argument("--sim-slots", type=bounded_int(64, 1 << 20), help="slots of the simulated pool (2048)")
+    parser.add_argument("--step", type=bounded_int(1, 1 << 20), help="slots a simulated move shifts (128)")
+    parser.add_argument("--moves", type=bounded_int(2, 1 << 20), help="simulated moves per allocator (200)")
     parser.add_argument("--device", type=device_name, default="cpu", help="cpu or cuda")
-    parser.add_argument("--threads", type=bounded_int(1), default=1,
+    parser.add_argument("--threads", type=bounded_int(1, 1024), default=1,
                         help="torch intra-op threads for CPU copies (1: a parallel copy on a "
                         "shared machine waits for a busy core, for both columns alike)")
     parser.add_argument("--quick", action="store_true", help="small sizes: a short run")

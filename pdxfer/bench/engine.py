@@ -43,7 +43,7 @@ import numpy as np
 
 from pdxfer import layout, transport
 
-from ..cliargs import bounded_int
+from ..cliargs import bounded_int, name_list
 from ..config import EngineConfig, KVPoll
 from ..errors import TransferTimeout
 from ..prefill import PrefillEngine
@@ -244,7 +244,7 @@ def _plot(rows: list[dict], path, note: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print one markdown table."""
     parser = argparse.ArgumentParser(prog="pdxfer bench engine", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=bounded_int(1), default=2000,
+    parser.add_argument("--requests", type=bounded_int(1, 10_000_000), default=2000,
                         help="requests per configuration (at least 1)")
     parser.add_argument("--batch", type=bounded_int(1, 4096), default=200,
                         help="requests in flight per batch (1..4096)")
@@ -252,15 +252,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated transports (default: all available)")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: the decode side in a child process, as deployed (default 1)")
-    parser.add_argument("--layouts", default=None,
+    parser.add_argument("--layouts", type=name_list, default=None,
                         help=f"comma-separated kv layouts (default: all of {', '.join(KINDS)})")
     parser.add_argument("--tiny", action="store_true",
                         help="6 requests, 3 in flight, loopback and tcp unless --backends says: a smoke run")
     br.add_output_args(parser)
     args = parser.parse_args(argv)
-    kinds = KINDS if args.layouts is None else tuple(args.layouts.split(","))
-    if not kinds or set(kinds) - set(KINDS):
-        parser.error(f"--layouts {args.layouts}: choose from {', '.join(KINDS)}")
+    kinds = KINDS if args.layouts is None else tuple(args.layouts)
+    if set(kinds) - set(KINDS):
+        parser.error(f"--layouts {','.join(kinds)}: choose from {', '.join(KINDS)}")
     entries = TINY_ENTRIES if args.tiny else ENTRIES
     if args.tiny:
         args.requests, args.batch = 6, 3

@@ -48,7 +48,7 @@ import torch
 
 from pdxfer import layout
 
-from ..cliargs import bounded_int
+from ..cliargs import bounded_int, int_list
 from ..config import EngineConfig
 from . import procstat
 from . import report as br
@@ -358,11 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdxfer bench peers", description=__doc__.split("\n")[0])
     parser.add_argument("--backends", default=None,
                         help="comma-separated (default: every installed one that crosses processes)")
-    parser.add_argument("--peers", default=None, help=f"decode peer counts (default {PEERS})")
-    parser.add_argument("--inflight", default=None, help=f"requests in flight (default {INFLIGHT})")
-    parser.add_argument("--requests", type=bounded_int(1), default=None,
+    parser.add_argument("--peers", type=int_list(1, 4096), default=None, help=f"decode peer counts (default {PEERS})")
+    parser.add_argument("--inflight", type=int_list(1, 4096), default=None, help=f"requests in flight (default {INFLIGHT})")
+    parser.add_argument("--requests", type=bounded_int(1, 1_000_000), default=None,
                         help="requests per point (default 4 x in flight, 256..4096)")
-    parser.add_argument("--max-throughput-peers", type=bounded_int(0), default=MAX_THROUGHPUT_PEERS,
+    parser.add_argument("--max-throughput-peers", type=bounded_int(0, 4096), default=MAX_THROUGHPUT_PEERS,
                         help="peer counts above this get the memory row only")
     parser.add_argument("--processes", type=bounded_int(2, 64), default=None,
                         help="this process plus the children holding the decodes (default 3; --tiny 2)")
@@ -376,9 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     backends = [b for b in names if crosses_processes(b)]
     if not backends:
         parser.error(f"none of {names} crosses processes; bench peers needs tcp, nixl or nixl-all")
-    ints = lambda text, default: [int(x) for x in text.split(",")] if text else list(default)  # noqa: E731
-    peer_counts = ints(args.peers, (1, 2) if args.tiny else PEERS)
-    inflights = ints(args.inflight, (1, 4) if args.tiny else INFLIGHT)
+    peer_counts = args.peers or list((1, 2) if args.tiny else PEERS)
+    inflights = args.inflight or list((1, 4) if args.tiny else INFLIGHT)
     requests = args.requests or (16 if args.tiny else None)
     report = br.Report("peers", backends, {"peers": peer_counts, "inflight": inflights,
                                            "requests": requests, "processes": args.processes,

@@ -12,7 +12,7 @@ the markdown table; one wider than `--width` is cut into several that share
 their leading key columns (every column stays in `--json` whatever is
 printed). `backends_arg` is the one parser of `--backends`.
 
-matplotlib is an optional extra (`pip install pdxfer[plot]`); `--plot` asks
+matplotlib is an optional extra (`pip install '/path/to/pdxfer[plot]'`); `--plot` asks
 for it only when used and says how to get it when missing. `figure` puts
 the legend beside the axes, never over the data, and `log_if_dwarfed` says
 when a panel's values span so much that a linear axis would flatten all but
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..cliargs import bounded_int
+from ..cliargs import bounded_int, name_list
 
 # A run shorter than this prints no progress at all: a quick run stays quiet.
 PROGRESS_AFTER_S = 3.0
@@ -76,15 +76,50 @@ def add_output_args(parser: argparse.ArgumentParser, plot: bool = True) -> None:
                              "0: one table however wide)")
     if plot:
         parser.add_argument("--plot", metavar="PATH", type=Path, default=None,
-                            help="draw the figures to PATH (PNG/SVG; needs pip install pdxfer[plot])")
+                            help="draw the figures to PATH (PNG/SVG; needs the plot extra: pip install matplotlib)")
+
+
+# The run in progress, for `interrupted`: its latest Report and Progress and
+# its --json path. A bench is one run per process (or per in-process call).
+_LIVE: dict[str, Any] = {}
+
+
+def interrupted(stream: TextIO | None = None) -> None:
+    """On Ctrl-C: say how far the run got and write what it measured to its `--json`.
+
+    A partial JSON carries `"interrupted": true` and every sample taken so far;
+    its rows and legend are those of the cases that finished, if any.
+    """
+    stream = sys.stderr if stream is None else stream
+    progress, report, path = _LIVE.get("progress"), _LIVE.get("report"), _LIVE.get("json")
+    if progress is not None:
+        stream.write(f"interrupted after {progress.done} of {progress.total} {progress.what}\n")
+    else:
+        stream.write("interrupted before the first case finished\n")
+    if report is not None and path is not None:
+        report.data["interrupted"] = True
+        path.write_text(json.dumps(report.data, indent=1, default=float) + "\n")
+        stream.write(f"# wrote {len(report.data['samples'])} raw samples (partial) to {path}\n")
+    stream.flush()
+    _LIVE.clear()
 
 
 def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse unwritable output paths and a missing matplotlib before measuring anything."""
+    _LIVE.clear()
+    _LIVE["json"] = getattr(args, "json", None)
     for flag in ("json", "plot"):
         path = getattr(args, flag, None)
-        if path is not None and not path.resolve().parent.is_dir():
-            parser.error(f"--{flag} {path}: directory {path.resolve().parent} does not exist")
+        if path is None:
+            continue
+        parent = path.resolve().parent
+        if path.is_dir():
+            parser.error(f"--{flag} {path} is a directory; name a file in it, "
+                         f"e.g. --{flag} {path / ('bench.' + ('json' if flag == 'json' else 'png'))}")
+        if not parent.is_dir():
+            parser.error(f"--{flag} {path}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            parser.error(f"--{flag} {path}: directory {parent} is not writable")
     if getattr(args, "plot", None) is not None:
         try:
             import matplotlib  # noqa: F401
@@ -105,6 +140,7 @@ class Progress:
         self.started = time.monotonic()
         self.last = float("-inf")
         self.shown = False
+        _LIVE["progress"] = self
 
     def step(self, label: str = "") -> None:
         """One row finished."""
@@ -129,6 +165,7 @@ class Report:
             "bench": bench, "machine": machine(), "backends": list(backends),
             "params": params, "columns": {}, "samples": [], "rows": [],
         }
+        _LIVE["report"] = self
 
     def sample(self, **fields: Any) -> None:
         """One raw measurement (a list of seconds, a per-request figure...) with its case."""
@@ -338,7 +375,10 @@ def backends_arg(parser: argparse.ArgumentParser, text: str | None, variants: bo
     if text is None:
         names = [b for b in installed if b in TINY_BACKENDS] if tiny else installed
     else:
-        names = [b for b in text.split(",") if b]
+        try:
+            names = name_list(text)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--backends: {exc}")
     unknown = sorted(set(names) - set(installed))
     if unknown or not names:
         parser.error(f"backends {unknown} are not installed; choose from {', '.join(installed)}")

@@ -195,13 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print one markdown table."""
     parser = argparse.ArgumentParser(prog="pdxfer bench request-cost",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=bounded_int(1), default=2000,
+    parser.add_argument("--requests", type=bounded_int(1, 10_000_000), default=2000,
                         help="requests per pass (at least 1)")
     parser.add_argument("--batch", type=bounded_int(1, 4096), default=100,
                         help="expects (then sends) issued back to back per batch (1..4096)")
     parser.add_argument("--rounds", type=bounded_int(1, 100), default=2,
                         help="alternating rounds of each measurement (1..100)")
-    parser.add_argument("--latency", type=bounded_int(1), default=300,
+    parser.add_argument("--latency", type=bounded_int(1, 10_000_000), default=300,
                         help="requests timed one at a time for latency (at least 1)")
     parser.add_argument("--latency-pages", type=bounded_int(1, 64), default=1,
                         help="KV pages per latency request (1..64)")

@@ -186,7 +186,7 @@ def plot(rows: list[dict], path, note: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `pdxfer bench scaling`."""
     parser = argparse.ArgumentParser(prog="pdxfer bench scaling", description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=bounded_int(1), default=7, help="timed requests per point (median)")
+    parser.add_argument("--reps", type=bounded_int(1, 10_000), default=7, help="timed requests per point (median)")
     parser.add_argument("--tiny", action="store_true", help="three small points per pool, for a smoke run")
     parser.add_argument("--backends", default="loopback,tcp", help="comma-separated backends")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,

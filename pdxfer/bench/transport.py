@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdxfer bench transport", description=__doc__.split("\n")[0])
     parser.add_argument("--total-mib", type=bounded_int(4, 1 << 16), default=256,
                         help="bytes moved per case, MiB (4..65536: at least one 4 MiB segment)")
-    parser.add_argument("--reps", type=bounded_int(1), default=5, help="timed runs per figure (median)")
+    parser.add_argument("--reps", type=bounded_int(1, 10_000), default=5, help="timed runs per figure (median)")
     parser.add_argument("--quick", action="store_true", help="32 MiB per case, for a short run")
     parser.add_argument("--tiny", action="store_true",
                         help="4 MiB per case, one run each, loopback and tcp unless --backends says: "

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CASES = {
     "4to2": ["--prefill-tp", "4", "--decode-tp", "2"],
@@ -53,3 +55,20 @@ def test_hetero_tp_runs_match_the_monolithic_run() -> None:
     # 8 -> 1: one pair per prefill rank; 2 -> 4: one per decode rank; replicated: one in all.
     assert (pairs["8to1"], pairs["2to4"], pairs["replicated-4to1"], pairs["4to2"]) == (
         "8", "4", "1", "4")
+
+
+def test_tp_mode_runs_its_ranks_over_the_transport_asked_for() -> None:
+    # Was: tcp hard-coded in every rank, whatever --transport said (#34 item 2).
+    from pdxfer import transport
+
+    other = [n for n in ("ucx", "nixl") if n in transport.available()]
+    if not other:
+        pytest.skip("needs a cross-process backend besides tcp (ucx or nixl)")
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.launch_pd", "--prefill-tp", "2", "--decode-tp", "1",
+         "--transport", other[0], *COMMON], cwd=ROOT, capture_output=True, text=True, timeout=110)
+    out = proc.stdout + "\n--- stderr ---\n" + proc.stderr
+    assert proc.returncode == 0, out
+    assert f", transport {other[0]}, device cpu," in out
+    assert f"engines over {other[0]})" in out, out
+    assert "outputs identical: all 1 requests match the monolithic run" in out
