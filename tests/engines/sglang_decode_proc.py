@@ -45,7 +45,8 @@ def main() -> int:
     H.as_rank(rank)
     decodes = {}
     for key, config in (("tcp", {"timeout": 2.0}),
-                        ("nofence", {"timeout": 10.0, "transport_options": {"fence": False}})):
+                        ("nofence", {"timeout": 10.0, "heartbeat_interval": 0.5,
+                                     "transport_options": {"fence": False}})):
         H.pdxfer_env(**config)
         decodes[key] = H.Decode(server_args, hybrid=False)
     reqs: dict[int, tuple] = {}

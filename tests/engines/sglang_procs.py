@@ -43,9 +43,14 @@ class Proc:
         self.proc.stdin.flush()
 
     def close(self) -> None:
+        """End of input: the process closes its managers and exits; killed if it cannot."""
         if self.proc.poll() is None:
             self.proc.stdin.close()
-            self.proc.wait(30)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
 
 
 class PrefillProc(Proc):

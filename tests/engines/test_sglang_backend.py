@@ -374,7 +374,7 @@ def test_prefill_ranks_register_where_the_bootstrap_server_runs_not_on_their_own
     # --dist-init-addr node 0's: it must register on 127.0.0.2, as SGLang's managers do
     port = free_port("127.0.0.2")
     plugin.PdxferKVBootstrapServer("127.0.0.2", port)
-    node1 = PrefillProc(ranks=[0], port=port, flags=(
+    node1 = PrefillProc(port=port, flags=(  # both TP ranks: the registry waits for every one
         "--host", "127.0.0.3", "--dist-init-addr", f"127.0.0.2:{free_port('127.0.0.2')}"))
     try:
         assert node1.read() == {"ready": True}

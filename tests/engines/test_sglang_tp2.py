@@ -42,7 +42,10 @@ def group():
     a = PrefillProc(ranks=[0])
     # rank 1 registers with rank 0's server, which may still be importing SGLang: its
     # registration retries for bootstrap_wait = timeout + connect_timeout
-    b = PrefillProc(ranks=[1], port=a.port, config={"timeout": 2.0, "request_timeout": 30.0,
+    # liveness 10 s (heartbeats 0.5 s): frozen and resumed in the `tcp` case, it must keep its
+    # link to the `nofence` decode, which the `nofence` case needs
+    b = PrefillProc(ranks=[1], port=a.port, config={"timeout": 10.0, "heartbeat_interval": 0.5,
+                                                    "request_timeout": 30.0,
                                                     "connect_timeout": 300.0})
     decodes = [Proc("sglang_decode_proc.py", [str(r), "2", init]) for r in (0, 1)]
     started = [a, b, *decodes]
@@ -68,6 +71,13 @@ def _start(pairs, decodes, key: str, room: int, modes: tuple[str, str]) -> None:
         assert proc.read()["phase"] == "sent-first"  # the first chunk landed on both ranks
 
 
+def _done(d: Proc) -> dict:
+    """A decode rank's `run` result, past its phase events (a no-fence abort is Quarantined too)."""
+    while "phase" in (ev := d.read()):
+        pass
+    return ev
+
+
 def _check(decodes, key: str, room: int, done: list[dict]) -> None:
     for rank, ev in enumerate(done):
         assert ev["finished"] == "FINISH_ABORT", ev
@@ -87,14 +97,14 @@ def test_one_decode_rank_aborting_holds_every_ranks_pages_until_nothing_can_land
     assert decodes[0].read() == {"aborted": room}
     for d in decodes:
         d.write(op="run", key=key, room=room)
-    done = [d.read() for d in decodes]
-    # rank 1 failed only because rank 0 did: SGLang is told so (it logs it at debug)
-    assert "another decode rank" in done[1]["message"], done[1]
+    done = [_done(d) for d in decodes]
     for proc in pairs[key]:  # the prefill's forward finishes: its last chunks, if any, go now
         proc.write()
     finished = [proc.read() for proc in pairs[key]]
-    assert [f["finished"] for f in finished] == ["FINISH_ABORT"] * 2, finished  # rank 1 aborted too
     _check(decodes, key, room, done)
+    assert [f["finished"] for f in finished] == ["FINISH_ABORT"] * 2, finished  # rank 1 aborted too
+    # rank 1 failed only because rank 0 did: SGLang is told so (it logs it at debug)
+    assert "another decode rank" in done[1]["message"], done[1]
 
 
 @pytest.mark.parametrize("key", ["tcp", "nofence"])  # in this order: the second kills rank 1
@@ -112,7 +122,7 @@ def test_one_ranks_prefill_dying_mid_transfer_frees_no_page_a_sibling_can_still_
             # freed on either rank while it is; the kill is what proves nothing flies
             assert decodes[1].read() == {"phase": "quarantined", "room": room}
             os.kill(doomed.proc.pid, signal.SIGKILL)
-        done = [d.read() for d in decodes]  # tcp: rank 1 fenced its frozen prefill at 2 s
+        done = [_done(d) for d in decodes]  # tcp: rank 1 fenced its frozen prefill at 2 s
     finally:
         if doomed.proc.poll() is None:
             os.kill(doomed.proc.pid, signal.SIGCONT)
