@@ -33,6 +33,25 @@ What maps to what:
   head across sizes). Another TP, CP or PP size fails each request with the
   reason, instead of crashing the scheduler. SGLang all-reduces (MIN) each
   poll over the TP group, so a request commits when every rank's copy did.
+- **Prefill DP.** Each prefill DP rank registers under its DP rank; with a
+  load balancer other than `follow_bootstrap_room` (or
+  `SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK`) each sender registers
+  its room, and SGLang's decode queries the rooms' DP ranks on the manager's
+  `_ensure_prefill_recompute_executor`, as for its own managers.
+- **Multi-node prefill.** Ranks register where SGLang's bootstrap server
+  runs: `--dist-init-addr`'s host when set (the tokenizer manager's node),
+  else the serving host; with `--nnodes` > 1 at node 0's bootstrap port.
+- **One rank fails, every rank frees.** When one decode rank's transfer
+  fails, SGLang's MIN makes every rank see Failed and free its pages; a
+  sibling rank's pdxfer request may still be live, its prefill still
+  writing. SGLang's deferred decode KV release (on by default) holds the
+  pages on every rank until each rank's manager says
+  `is_abort_release_safe`: here `ensure_abort_notified` aborts this rank's
+  live request, and the answer is exact, from the engine's state (finished:
+  Failed after a fence or at the end of a quarantine), not acks or a
+  timeout. `failure_exception` says when the failure came from another rank
+  (`is_from_another_rank`). Decode TP > 1 with the deferred release turned
+  off is refused at start; `clear()` on a live request aborts it.
 - **Requests.** A request's pdxfer id is its `bootstrap_room` (an int) as
   text. The decode receiver's `send_metadata` is `DecodeEngine.expect` with
   the destination pages, its aux row and its state slots; each prefill
@@ -54,10 +73,18 @@ What maps to what:
   `failure_exception` and the metrics.
 
 Configuration: `PDXFER_CONFIG` (JSON `EngineConfig` fields, `kit.engine_config`);
-the host defaults to the address SGLang's own backends advertise. Not
-supported (each refused with the reason): a decode radix-cache prefix
-(`decode_prefix_len > 0`), host destinations, staging buffers, different
-TP/CP/PP sizes, deferred decode KV release.
+the host defaults to the address SGLang's own backends advertise, and
+`request_timeout` (a request's wait while its peer is alive) to SGLang's own
+setting: `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` on the prefill (how long
+it waits for the decode's Expect), `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` on
+the decode (300 s each by default); `timeout` stays pdxfer's short liveness
+bound. Not supported (each refused with the reason): a decode radix-cache
+prefix (`decode_prefix_len > 0`), host destinations, staging buffers,
+different TP/CP/PP sizes, hybrid state components other than Mamba
+(`unsupported_states`), decode TP > 1 without SGLang's deferred KV release,
+and `release_memory_occupation` of the KV cache under `--enable-memory-saver`.
+`transfer_latency_s` is `RequestStats.elapsed_s` (from the first chunk to the
+finish: pdxfer's stats have no wire time yet).
 """
 
 from __future__ import annotations
@@ -76,7 +103,13 @@ from typing import Any
 
 from ..config import KVPoll
 from ..decode import DecodeEngine
-from ..errors import PdxferError, RequestFailed, TransportError, UnknownRequestError
+from ..errors import (
+    ConfigError,
+    PdxferError,
+    RequestFailed,
+    TransportError,
+    UnknownRequestError,
+)
 from ..prefill import PrefillEngine
 from ..requests import RequestOutcome
 from ..session import format_address, parse_address
@@ -160,15 +193,51 @@ def _refusal(info: dict, mgr: PdxferKVManager) -> str | None:
     return None
 
 
+# The hybrid state components this backend moves: Mamba/GDN slots, one item per slot
+# (tests/engines: a real `MambaPool`). The others index their buffers differently (SWA
+# and DSA by token window or ring row, BLOCK_SCALE parallel to K/V pages, ...) and
+# nothing here checks that one item per index is what they mean: refused by name.
+SUPPORTED_STATES = frozenset({"mamba"})
+
+
+def unsupported_states(state_types: Any) -> str | None:
+    """Why pdxfer's SGLang backend refuses these hybrid `StateType`s, or None."""
+    names = [str(getattr(st, "value", st)) for st in state_types]
+    bad = [n for n in names if n not in SUPPORTED_STATES]
+    if not bad:
+        return None
+    return (f"hybrid state component(s) {bad} (SGLang StateType): pdxfer's SGLang backend moves "
+            f"{sorted(SUPPORTED_STATES)} state only; serve this model with another "
+            "--disaggregation-transfer-backend")
+
+
+def _registry_host(serving_host: str, dist_init_addr: str | None) -> str:
+    """Where SGLang's bootstrap server runs, as its own managers find it.
+
+    It starts only beside the tokenizer manager, i.e. on `dist_init_addr`'s
+    host when one is given (multi-node prefill: the ranks of node 1 must
+    register there, not on their own `--host`); otherwise on the serving
+    host, a wildcard bind reached through the loopback of its family.
+    """
+    if dist_init_addr:
+        from sglang.srt.utils.network import NetworkAddress
+
+        return NetworkAddress.parse(dist_init_addr).resolved().host
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(serving_host, serving_host)
+
+
 class PdxferKVManager(BaseKVManager):
     """One scheduler rank's pdxfer engine over SGLang's buffers, and its bootstrap registration."""
 
     supports_host_destination = False
-    enable_deferred_decode_kv_release = False
+    # SGLang's deferred decode KV release (on by default): pdxfer answers its drain question
+    # exactly (`is_abort_release_safe`), from the engine's own state, not from acks.
+    supports_deferred_decode_kv_release = True
 
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any,
                  is_mla_backend: bool | None = False) -> None:
         _require_sglang()
+        from sglang.srt.environ import envs
         from sglang.srt.runtime_context import get_device, get_disagg, get_parallel, get_serving
         from sglang.srt.utils.network import get_local_ip_auto
 
@@ -182,14 +251,50 @@ class PdxferKVManager(BaseKVManager):
         self.pp_size, self.pp_rank = int(par.pp_size), int(getattr(args, "pp_rank", 0) or 0)
         self.system_dp_size = int(par.dp_size)
         self.system_dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
-        self.follow_bootstrap_room = par.load_balance_method == "follow_bootstrap_room"
         self.load_balance_method = par.load_balance_method
+        # SGLang's own rule (CommonKVSender.__init__): a prefill DP rank registers each room
+        # unless the decode can compute it (follow_bootstrap_room, not forced to query).
+        self.force_query_dp_rank = bool(envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get())
+        self.follow_bootstrap_room = (self.load_balance_method == "follow_bootstrap_room"
+                                      and not self.force_query_dp_rank)
         self.bootstrap_port = int(get_disagg().disaggregation_bootstrap_port)
-        host = get_serving().host
-        self.bootstrap_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        self.dist_init_addr = getattr(par, "dist_init_addr", None)
+        self.nnodes = int(getattr(par, "nnodes", 1) or 1)
+        self.bootstrap_host = _registry_host(get_serving().host, self.dist_init_addr)
+        refused = unsupported_states(args.state_types)
+        if refused:
+            raise ConfigError(refused)
+        self.enable_deferred_decode_kv_release = bool(
+            envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get())
+        if (self.mode == "decode" and self.attn_tp_size * self.attn_cp_size * self.pp_size > 1
+                and not self.enable_deferred_decode_kv_release):
+            # SGLang MIN-reduces the ranks' polls and frees every rank's pages at once when one
+            # rank fails; without the deferred release a sibling rank's pdxfer request may still
+            # be written then. Refused rather than corrupting pages.
+            raise ConfigError(
+                "pdxfer's SGLang backend at decode attn_tp_size="
+                f"{self.attn_tp_size}, attn_cp_size={self.attn_cp_size}, pp_size={self.pp_size} "
+                "needs SGLang's deferred decode KV release (one rank's failure would free every "
+                "rank's pages while another rank's transfer still writes them); unset "
+                "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0 (its default is on)")
         dev = get_device()
         device = "cpu" if dev.device == "cpu" else f"{dev.device}:{int(getattr(args, 'gpu_id', 0))}"
-        self.config = engine_config(os.environ.get(CONFIG_ENV), host=get_local_ip_auto)
+        # SGLang's per-request waits are pdxfer's request_timeout (the prefill waits for the
+        # decode's Expect up to the bootstrap timeout, the decode for its transfer up to the
+        # waiting timeout); pdxfer's `timeout` stays the short liveness bound. PDXFER_CONFIG wins.
+        wait_env = (envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT if self.mode == "prefill"
+                    else envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT)
+        self.config = engine_config(os.environ.get(CONFIG_ENV), host=get_local_ip_auto,
+                                    request_timeout=float(wait_env.get()))
+        if self.mode == "decode" and self.enable_deferred_decode_kv_release:
+            hold = float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
+            drain = self.config.timeout + 2 * self.config.grace
+            if hold < drain:
+                log.warning(
+                    "pdxfer decode: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=%s s is "
+                    "shorter than pdxfer's drain bound for a live prefill (timeout %s s + 2 x grace "
+                    "%s s = %s s); SGLang releases a held page at its deadline even if a write may "
+                    "still land: raise it", hold, self.config.timeout, self.config.grace, drain)
         self.pools = kvargs_pools(args, device)
         self.state_pools = [f"state.{getattr(st, 'value', st)}" for st in args.state_types]
         engine_cls = PrefillEngine if self.mode == "prefill" else DecodeEngine
@@ -201,6 +306,12 @@ class PdxferKVManager(BaseKVManager):
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix=f"pdxfer-sglang-{self.mode}")
+        # The executor SGLang's decode prefetches prefill DP-rank lookups on
+        # (`prefetch_prefill_dp_rank_queries`), made on first use as its managers make it.
+        self._prefill_recompute_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # Requests SGLang forgot (clear()) while pdxfer still held them live: aborted then,
+        # released once finished (`_reap`), so the engine's table does not grow.
+        self._orphans: set[str] = set()
         if self.mode == "prefill":
             try:
                 self.register_to_bootstrap()
@@ -215,6 +326,13 @@ class PdxferKVManager(BaseKVManager):
     def register_to_bootstrap(self) -> None:
         """Put this rank's pdxfer address in SGLang's bootstrap registry (retried until bootstrap_wait)."""
         host, port = parse_address(self.engine.bootstrap_address)
+        if self.dist_init_addr and self.nnodes > 1:
+            # As SGLang's managers do: a launcher may reserve a bootstrap port per host, and
+            # only node 0's has a server behind it; every rank registers at rank 0's port.
+            from sglang.srt.runtime_context import get_parallel
+
+            self.bootstrap_port = int(get_parallel().world_group.broadcast_object(
+                self.bootstrap_port, src=0))
         payload = {
             "attn_tp_size": self.attn_tp_size, "attn_tp_rank": self.attn_tp_rank,
             "attn_cp_size": self.attn_cp_size, "attn_cp_rank": self.attn_cp_rank,
@@ -303,9 +421,80 @@ class PdxferKVManager(BaseKVManager):
             out[pool] = idx
         return pool_indices(out)
 
+    # -- decode: SGLang's deferred KV release -------------------------------------------
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        """True once nothing more can land in this rank's pages of `bootstrap_room`.
+
+        SGLang holds a failed request's pages (on every TP rank, MAX-reduced)
+        until each rank says so. pdxfer knows it exactly, without acks: the
+        request is finished in the engine (Success, or Failed after a fence
+        or at the end of a quarantine), released, or was never expected here.
+        `required_acks` (SGLang's count of prefill acks) is not needed.
+        """
+        self._reap()
+        state = self.engine.try_poll(str(bootstrap_room))
+        return state is None or state in (KVPoll.Success, KVPoll.Failed)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """SGLang's hook after a held release: pdxfer keeps no ack tracker; the receiver's clear() releases."""
+
+    def _ensure_prefill_recompute_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The executor SGLang's decode runs its prefill DP-rank lookups on (made on first use)."""
+        with self._lock:
+            if self._prefill_recompute_executor is None:
+                self._prefill_recompute_executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=4, thread_name_prefix="pdxfer-sglang-dp-query")
+            return self._prefill_recompute_executor
+
+    def orphan(self, rid: str) -> None:
+        """Keep a request SGLang forgot while it was live, to release it once finished."""
+        with self._lock:
+            self._orphans.add(rid)
+        self._reap()
+
+    def _reap(self) -> None:
+        """Release the orphans that finished (called from the scheduler's own calls)."""
+        with self._lock:
+            if not self._orphans:
+                return
+            orphans = list(self._orphans)
+        for rid in orphans:
+            state = self.engine.try_poll(rid)
+            if state is not None and not state.finished:
+                continue
+            try:
+                if state is not None:
+                    self.engine.release(rid)
+            except UnknownRequestError:
+                pass
+            with self._lock:
+                self._orphans.discard(rid)
+
+    # -- memory remap -----------------------------------------------------------------------
+    def deregister_buffer_to_engine(self) -> None:
+        """SGLang's `release_memory_occupation` (KV cache tag): refused where the pools would move.
+
+        With `--enable-memory-saver` SGLang unmaps the KV pools next and maps
+        them again, elsewhere, on resume; pdxfer cannot deregister and
+        re-register them yet, so its registrations would point at freed
+        memory. Raised here, before SGLang pauses anything. Without the memory
+        saver the pause is a no-op and the pools stay put: nothing to do.
+        """
+        if getattr(self.server_args, "enable_memory_saver", False):
+            raise ConfigError(
+                "release_memory_occupation of the KV cache with pdxfer's SGLang backend: "
+                "--enable-memory-saver would move the KV pools, and pdxfer cannot deregister "
+                "and re-register them yet; release only the weights (tags=['weights']) or use "
+                "another --disaggregation-transfer-backend")
+
+    def register_buffer_to_engine(self) -> None:
+        """SGLang's `resume_memory_occupation`: the pools never moved (see the release)."""
+
     def close(self) -> None:
-        """Close the engine and the registry worker; idempotent."""
+        """Close the engine and the registry workers; idempotent."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._prefill_recompute_executor is not None:
+            self._prefill_recompute_executor.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
     def teardown(self) -> None:
@@ -334,6 +523,7 @@ class _Request:
             return self.outcome.state
         if self.local_failure is not None and not self.known:
             return KVPoll.Failed
+        self.kv_mgr._reap()
         engine = self.kv_mgr.engine
         state = engine.try_poll(self.rid)
         if state is not None and state.finished:
@@ -345,14 +535,27 @@ class _Request:
         return engine_poll(state)
 
     def failure_exception(self) -> None:
-        """Raise why the request failed: pdxfer's `RequestFailed`, its cause attached."""
+        """Raise why the request failed: pdxfer's `RequestFailed`, its cause attached.
+
+        SGLang reads two attributes from it, as from its own `KVTransferError`:
+        `failure_reason`, and `is_from_another_rank`, True when SGLang saw
+        Failed (its polls MIN-reduced over the TP group) while this rank's own
+        transfer had not failed (it logs those at debug, the failing rank's at
+        error).
+        """
         out = self.outcome
         if out is not None and out.state is KVPoll.Failed:
-            exc = RequestFailed(self.rid, out.reason or "failed")
+            exc = _failed(self.rid, out.reason or "failed", from_another_rank=False)
             raise exc from out.cause
         if self.local_failure is not None:
-            raise RequestFailed(self.rid, self.local_failure)
-        raise RequestFailed(self.rid, "failed (no reason recorded)")
+            raise _failed(self.rid, self.local_failure, from_another_rank=False)
+        state = self.kv_mgr.engine.try_poll(self.rid) if self.known else None
+        if state is KVPoll.Failed or state is KVPoll.Quarantined:
+            outcome = self.kv_mgr.engine.outcome(self.rid)
+            raise _failed(self.rid, outcome.reason or "failed", from_another_rank=False) from outcome.cause
+        seen = "not started" if state is None else state.name
+        raise _failed(self.rid, f"failed on another {self.kv_mgr.mode} rank (this rank's transfer: "
+                                f"{seen})", from_another_rank=True)
 
     def abort(self) -> None:
         """Give up: Failed once no byte of the request can land any more."""
@@ -367,9 +570,29 @@ class _Request:
         self._fail_locally(f"{self.kv_mgr.mode} scheduler aborted the request")
 
     def clear(self) -> None:
-        """Forget the request; a finished one was already released by the poll that saw it."""
-        if self.outcome is None and self.known:
-            self._engine_poll()
+        """Forget the request: a live one is aborted (SGLang gave up on it), a finished one released.
+
+        SGLang clears every TP rank's receiver when one rank failed; this
+        rank's transfer may still be live then, and nothing would stop its
+        prefill writing. The abort makes it Failed once nothing can land; the
+        manager releases it when it is (`PdxferKVManager._reap`).
+        """
+        if self.outcome is not None or not self.known:
+            return
+        state = self._engine_poll()
+        if self.outcome is None:
+            try:
+                self.kv_mgr.engine.abort(self.rid, f"{self.kv_mgr.mode} scheduler released the "
+                                                   f"request (state {state.name})")
+            except UnknownRequestError:
+                return
+            self.kv_mgr.orphan(self.rid)
+
+
+def _failed(rid: str, reason: str, *, from_another_rank: bool) -> RequestFailed:
+    exc = RequestFailed(rid, reason)
+    exc.failure_reason, exc.is_from_another_rank = reason, from_another_rank
+    return exc
 
 
 class PdxferKVSender(_Request, BaseKVSender):
@@ -383,6 +606,8 @@ class PdxferKVSender(_Request, BaseKVSender):
         self.aux_index: int | None = None
         self.sent_pages = 0
         self.created = time.monotonic()
+        # Set by SGLang's prefill (`_maybe_send_cached_prefix_kv`) for the next chunk only.
+        self._early_send_wait_event: Any = None
         if not req_has_disagg_prefill_dp_rank:
             mgr.register_room(bootstrap_room)
 
@@ -395,8 +620,16 @@ class PdxferKVSender(_Request, BaseKVSender):
         return num_pages > 0 or last_chunk
 
     def send(self, kv_indices: Any, state_indices: list | None = None,
-             num_kv_tokens: int | None = None, **_: Any) -> None:
-        """One `PrefillEngine.send` chunk; a refusal fails this request, not the scheduler."""
+             num_kv_tokens: int | None = None, indices_event: Any = None, **_: Any) -> None:
+        """One `PrefillEngine.send` chunk; a refusal fails this request, not the scheduler.
+
+        The chunk's pages are read once what wrote them is done: SGLang's
+        early-send event (`_early_send_wait_event`, recorded on the forward
+        stream under overlap scheduling, for this one chunk) or its
+        `indices_event`, else the current stream (`PrefillEngine.send(ready=)`).
+        """
+        ready = self._early_send_wait_event or indices_event
+        self._early_send_wait_event = None  # it belongs to exactly one chunk
         if self.outcome is not None or (self.local_failure is not None and not self.known):
             return  # finished (the decode gave up, say): SGLang learns it from poll()
         if self.num_pages is None:
@@ -413,7 +646,10 @@ class PdxferKVSender(_Request, BaseKVSender):
         indices = self.kv_mgr.indices(kv_indices, self.aux_index if last else None,
                                       state_indices if last else None)
         try:
-            self.kv_mgr.engine.send(self.rid, indices, last=last)
+            if ready is None:
+                self.kv_mgr.engine.send(self.rid, indices, last=last)
+            else:
+                self.kv_mgr.engine.send(self.rid, indices, last=last, ready=ready)
             self.known = True
         except PdxferError as exc:
             self._fail(f"send refused: {exc}")
@@ -501,8 +737,37 @@ class PdxferKVReceiver(_Request, BaseKVReceiver):
             return self._engine_poll()
         return KVPoll.WaitingForInput if self.prefill_addr is not None else KVPoll.Bootstrapping
 
+    def abort(self) -> None:
+        """Give up (SGLang's AbortReq, a bootstrap failure); with deferred release, hold the pages."""
+        super().abort()
+        if self.kv_mgr.enable_deferred_decode_kv_release:
+            self.abort_notified = True  # the engine heard already: only SGLang's hold to arm
+
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        """pdxfer tells the prefill of an abort itself (`abort`); nothing more to arm."""
+        """Stop this rank's transfer and arm SGLang's deferred release of its pages.
+
+        SGLang calls it on every rank of a request that failed anywhere (its
+        polls are MIN-reduced), then holds the pages on every rank until each
+        rank's manager says `is_abort_release_safe`. Here that is: abort the
+        pdxfer request if it is still live (the prefill hears at once), and
+        set `abort_notified`, which makes SGLang hold (the hold is released as
+        soon as pdxfer says nothing more can land, often on the next turn).
+        """
+        if self.known and self.outcome is None:
+            state = self.kv_mgr.engine.try_poll(self.rid)
+            if state is not None and not state.finished and state is not KVPoll.Quarantined:
+                try:
+                    self.kv_mgr.engine.abort(self.rid, f"{self.kv_mgr.mode} scheduler aborted the "
+                                                       "request (it failed on this or another rank)")
+                except UnknownRequestError:
+                    pass
+        if self.kv_mgr.enable_deferred_decode_kv_release:
+            self.abort_notified = True
+
+    @property
+    def bootstrap_infos(self) -> list[str]:
+        """The prefill ranks this receiver reads from (SGLang counts them for its ack hold)."""
+        return [self.prefill_addr] if self.prefill_addr is not None else []
 
 
 class PdxferKVBootstrapServer(CommonKVBootstrapServer):

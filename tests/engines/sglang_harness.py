@@ -33,6 +33,7 @@ import torch.distributed as dist
 from sglang.srt.disaggregation import decode as D
 from sglang.srt.disaggregation import prefill as P
 from sglang.srt.disaggregation import utils as U
+from sglang.srt.environ import envs
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool, MHATokenToKVPool
 from sglang.srt.plugins import load_plugins
@@ -41,28 +42,35 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import prepare_server_args
 
 PAGE, LAYERS, HEADS, DIM = 16, 4, 2, 32
-SIZE, SLOTS, META_ROWS = 32 * PAGE, 8, 16
+# 96 pages, 80 request rows and metadata rows: room for the 64-room queue test.
+SIZE, SLOTS, META_ROWS, ROWS = 96 * PAGE, 8, 80, 80
 FULL_LAYERS = [0, 2]  # the hybrid model's attention layers; 1 and 3 are Mamba
 
 
-def start(mode: str, bootstrap_port: int, tp: int = 1) -> object:
-    """What a scheduler process does first: plugins, flags, context, a (1-rank) gloo group."""
+def start(mode: str, bootstrap_port: int, tp: int = 1, *, rank: int = 0, world: int = 1,
+          init_file: str | None = None, extra: tuple[str, ...] = ()) -> object:
+    """What a scheduler process does first: plugins, flags, context, a gloo group.
+
+    `world` > 1 joins `world` processes (this one is `rank`) through `init_file`:
+    the TP group SGLang's queues all-reduce their polls over, for real.
+    """
     load_plugins()
     server_args = prepare_server_args([
         "--model-path", "dummy", "--device", "cpu", "--tp-size", str(tp),
         "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "pdxfer",
-        "--disaggregation-bootstrap-port", str(bootstrap_port), "--host", "127.0.0.1"])
+        "--disaggregation-bootstrap-port", str(bootstrap_port), "--host", "127.0.0.1", *extra])
     reset_context()
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0,
-                                world_size=1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file or tempfile.mktemp()}",
+                                rank=rank, world_size=world)
     return server_args
 
 
-def as_rank(rank: int) -> None:
-    """Be TP rank `rank` from now on (one process stands in for each rank in turn)."""
-    get_parallel().override_permanently(tp_rank=rank, attn_tp_rank=rank)
+def as_rank(rank: int, dp_rank: int | None = None) -> None:
+    """Be TP rank `rank` (of DP rank `dp_rank`) from now on (one process plays each in turn)."""
+    extra = {} if dp_rank is None else {"dp_rank": dp_rank}
+    get_parallel().override_permanently(tp_rank=rank, attn_tp_rank=rank, **extra)
 
 
 def kv_pool(hybrid: bool, dim: int = DIM, seed: int = 0):
@@ -123,10 +131,10 @@ def _model(hybrid: bool) -> SimpleNamespace:
 
 def token_pool(hybrid: bool) -> SimpleNamespace:
     """The request -> token slots map (allocation is simulated; the tests fill it)."""
-    table = torch.zeros(8, 1024, dtype=torch.int32)
-    mamba = torch.arange(8, dtype=torch.int64)  # request row r holds Mamba slot r
+    table = torch.zeros(ROWS, 1024, dtype=torch.int32)
+    mamba = torch.arange(ROWS, dtype=torch.int64) % SLOTS  # row r holds Mamba slot r (r < SLOTS)
     return SimpleNamespace(req_to_token=table, req_index_to_mamba_index_mapping=mamba,
-                           translate_mamba_indices=lambda x: x, available_size=lambda: 8)
+                           translate_mamba_indices=lambda x: x, available_size=lambda: ROWS)
 
 
 class Prefill:
@@ -208,7 +216,10 @@ class Decode:
         tq = D.DecodeTransferQueue.__new__(D.DecodeTransferQueue)
         tq.__dict__.update(queue=[], gloo_group=G, tp_rank=pq.tp_rank, metadata_buffers=self.mb,
                            scheduler=self.sched, req_to_metadata_buffer_idx_allocator=self.alloc,
-                           enable_staging=False, staging_handler=None, enable_deferred_kv_release=False,
+                           enable_staging=False, staging_handler=None,
+                           # SGLang's own settings (deferred release on by default, 30 s hold)
+                           enable_deferred_kv_release=envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get(),
+                           deferred_kv_release_timeout=envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get(),
                            _deferred_releases=[], spec_algorithm=self.sched.spec_algorithm,
                            _skipped_checksum_signatures=set(), enable_host_receive=False,
                            tree_cache=MagicMock())
@@ -231,17 +242,24 @@ class Decode:
         self.prealloc.queue.remove(dreq)
         self.transfer.queue.append(dreq)
 
-    def transferred(self):
-        """One turn of `pop_transferred` (the tree cache simulated); the patched release mock too."""
-        release = MagicMock()
+    def transferred(self, on_release=None):
+        """One turn of `pop_transferred` and of `resolve_deferred_releases` (the tree cache
+        simulated); the patched release mock too, calling `on_release(req)` when SGLang frees."""
+        release = MagicMock(side_effect=(lambda req, *a, **k: on_release(req)) if on_release else None)
         with patch.object(D, "release_kv_cache", release):
-            return self.transfer.pop_transferred(), release
+            out = self.transfer.pop_transferred()
+            self.transfer.resolve_deferred_releases()
+            return out, release
+
+    def busy(self) -> bool:
+        """Requests still in the transfer queue or held by SGLang's deferred release."""
+        return bool(self.transfer.queue) or self.transfer.has_pending_deferred_releases()
 
 
-def request(room: int, n: int, port: int) -> Req:
+def request(room: int, n: int, port: int, host: str = "127.0.0.1") -> Req:
     """A real `Req` as the router hands it over (bootstrap host, port, room)."""
     r = Req(rid=f"r{room}", origin_input_text="", origin_input_ids=list(range(5, 5 + n)),
-            sampling_params=SamplingParams(max_new_tokens=8), bootstrap_host="127.0.0.1",
+            sampling_params=SamplingParams(max_new_tokens=8), bootstrap_host=host,
             bootstrap_port=port, bootstrap_room=room)
     r.time_stats = MagicMock()
     return r

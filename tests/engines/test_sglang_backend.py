@@ -16,14 +16,9 @@ queues, as its scheduler loop polls them.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -33,55 +28,27 @@ from sglang.srt.disaggregation import base
 from sglang.srt.disaggregation import decode as D
 from sglang.srt.disaggregation import prefill as P
 from sglang.srt.disaggregation import utils as U
+from sglang_procs import PrefillProc, free_port
 
 from pdxfer import KVPoll
 from pdxfer.integrations import sglang as plugin
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 FIRST_TOKEN = 4242
+# The module fixture starts four prefill processes that import SGLang in parallel: 60 s on an
+# idle 2-core machine, up to 250 s measured with other suites running; the first test's
+# setup carries that.
+pytestmark = pytest.mark.timeout(480)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class PrefillProc:
-    """One prefill process, stepped line by line."""
-
-    def __init__(self, hybrid: bool) -> None:
-        self.port = _port()
-        # Not ROOT: a checkout's stale pdxfer.egg-info there would hide the installed entry points.
-        env = {**os.environ, "PYTHONPATH": str(HERE),
-               "PDXFER_CONFIG": json.dumps({"transport": "tcp", "host": "127.0.0.1",
-                                            "timeout": 2.0, "request_timeout": 30.0})}
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "sglang_prefill_proc.py"),
-                                      str(self.port), "1" if hybrid else "0", "2"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     cwd=ROOT, env=env)
-
-    def read(self) -> dict:
-        while True:  # SGLang logs to stdout too: our events are the JSON lines
-            line = self.proc.stdout.readline()
-            assert line, f"prefill process exited ({self.proc.wait(30)})"
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def write(self, **cmd) -> None:
-        self.proc.stdin.write((json.dumps(cmd) if cmd else "go") + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(30)
+_port = free_port
 
 
 @pytest.fixture(scope="module")
 def procs():
-    started = {"mha": PrefillProc(False), "hybrid": PrefillProc(True), "doomed": PrefillProc(False)}
+    started = {"mha": PrefillProc(False), "hybrid": PrefillProc(True), "doomed": PrefillProc(False),
+               # prefill DP 2 under round_robin: each room's DP rank comes from the registry;
+               # pdxfer's defaults (liveness 10 s): the request wait is SGLang's (300 s)
+               "dp2": PrefillProc(dp=2, config={})}
     try:
         for p in started.values():
             assert p.read() == {"ready": True}
@@ -138,7 +105,8 @@ def finish(dec: H.Decode, req) -> list:
     def turn():
         out, release = dec.transferred()
         releases.append(release)
-        return req in out or req.finished()
+        # SGLang holds a failed request's pages (deferred release) past its finish
+        return (req in out or req.finished()) and not dec.busy()
 
     until(turn, f"request {req.rid} to finish on decode")
     return releases
@@ -307,6 +275,168 @@ def test_prefill_death_without_a_fence_never_reads_failed_before_it_is_safe(serv
     assert all(out == KVPoll.Transferring for state, out in seen if state is KVPoll.Quarantined)
     assert seen[-1][1] == KVPoll.Failed and seen[-1][0] in (KVPoll.Failed, None)
     assert not any(out == KVPoll.Failed for state, out in seen if state is KVPoll.Quarantined)
+
+
+def _admit_all(dec: H.Decode, reqs: list) -> list:
+    """SGLang's decode loop until every request is resolved to its prefill rank and handshaken."""
+    pq = dec.prealloc
+    for req in reqs:
+        pq.add(req)
+
+    def resolved() -> bool:
+        pq.prefetch_prefill_dp_rank_queries()  # every turn of the decode loop (decode L3133)
+        pq._resolve_pending_reqs()
+        return not pq.pending_reqs
+
+    until(resolved, "the prefill ranks of every request")
+    dreqs = [next(d for d in pq.queue if d.req is req) for req in reqs]
+
+    def handshaken() -> bool:
+        pq._update_handshake_waiters()
+        return all(d.waiting_for_input or d.req.finished() for d in dreqs)
+
+    until(handshaken, "the handshakes")
+    return dreqs
+
+
+def test_prefill_dp2_under_round_robin_reads_each_room_from_its_dp_rank(server_args, procs) -> None:
+    dp2, dec = procs["dp2"], decode(server_args, "mha0")
+    for dp, room, dst in ((0, 4001, [50, 51, 52]), (1, 4002, [53, 54, 55])):  # the router's turns
+        dp2.write(rank=0, dp=dp, room=room, n=40, src=[2, 11, 5], slot=None, ends=[20, 40],
+                  token=FIRST_TOKEN, mode="normal")
+        req = H.request(room, 40, dp2.port)
+        (dreq,) = _admit_all(dec, [req])
+        assert dec.prealloc.kv_manager.prefill_info_table[f"127.0.0.1:{dp2.port}"].dp_size == 2
+        dec.allocate(dreq, dst, None)
+        finish(dec, req)
+        done = dp2.read()
+        assert (done["room"], done["finished"]) == (room, "FINISH_LENGTH"), done
+        assert req.finished_reason is None
+        assert H.page_crc(dec.pool, dst, None) == done["crc"]  # DP rank `dp`'s bytes (own seed)
+
+
+def test_a_queue_of_64_rooms_waiting_past_10s_for_allocation_completes(server_args, procs) -> None:
+    # both sides at pdxfer's default liveness timeout (10 s): the bound this test outwaits
+    queue, dec = procs["dp2"], decode(server_args, "queue0", timeout=10.0)
+    rooms = list(range(5000, 5064))
+    queue.write(batch=[dict(rank=0, dp=0, room=room, n=H.PAGE, src=[i % 90], token=FIRST_TOKEN)
+                       for i, room in enumerate(rooms)])
+    reqs = [H.request(room, H.PAGE, queue.port) for room in rooms]
+    dreqs = _admit_all(dec, reqs)
+    # The decode's allocation waits behind memory pressure (a stated delay: 11 s, past
+    # pdxfer's former request wait, its 10 s liveness timeout); SGLang's loop keeps turning.
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 11.0:
+        dec.prealloc._update_handshake_waiters()
+        assert not any(d.req.finished() for d in dreqs)
+        time.sleep(0.05)
+    dst = list(range(30, 30 + len(rooms)))
+    for dreq, page in zip(dreqs, dst, strict=True):
+        dec.allocate(dreq, [page], None)
+
+    def all_done() -> bool:
+        out, _ = dec.transferred()
+        return all(r.finished() or r in out or not any(d.req is r for d in dec.transfer.queue)
+                   for r in reqs) and not dec.busy()
+
+    until(all_done, "64 rooms to finish", deadline_s=120.0)
+    done = {d["room"]: d for d in queue.read()["batch_done"]}
+    assert [r.finished_reason for r in reqs] == [None] * len(rooms)
+    for room, page in zip(rooms, dst, strict=True):
+        assert done[room]["finished"] == "FINISH_LENGTH", done[room]
+        assert H.page_crc(dec.pool, [page], None) == done[room]["crc"]
+
+
+def test_request_waits_default_to_sglangs_settings(server_args, monkeypatch) -> None:
+    dec = decode(server_args, "mha0")
+    cfg = dec.prealloc.kv_manager.config
+    # the decode waits for its transfer as long as SGLang's WAITING_TIMEOUT; liveness stays short
+    assert (cfg.request_wait, cfg.timeout) == (300.0, 2.0)
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "900")
+    H.pdxfer_env(timeout=2.0)
+    H.as_rank(0)
+    mgr = plugin.PdxferKVManager(dec.prealloc.kv_manager.kv_args, "decode", server_args)
+    try:
+        assert mgr.config.request_wait == 900.0
+    finally:
+        mgr.close()
+    H.pdxfer_env(timeout=2.0, request_timeout=5.0)  # PDXFER_CONFIG still wins
+    mgr = plugin.PdxferKVManager(dec.prealloc.kv_manager.kv_args, "decode", server_args)
+    try:
+        assert mgr.config.request_wait == 5.0
+    finally:
+        mgr.close()
+
+
+def test_prefill_ranks_register_where_the_bootstrap_server_runs_not_on_their_own_host(
+        server_args) -> None:
+    # node 0 (127.0.0.2) runs SGLang's bootstrap server; the rank's own --host is 127.0.0.3, its
+    # --dist-init-addr node 0's: it must register on 127.0.0.2, as SGLang's managers do
+    port = free_port("127.0.0.2")
+    plugin.PdxferKVBootstrapServer("127.0.0.2", port)
+    node1 = PrefillProc(port=port, flags=(  # both TP ranks: the registry waits for every one
+        "--host", "127.0.0.3", "--dist-init-addr", f"127.0.0.2:{free_port('127.0.0.2')}"))
+    try:
+        assert node1.read() == {"ready": True}
+        dec = decode(server_args, "mha0")
+        node1.write(rank=0, room=6001, n=40, src=[2, 11, 5], slot=None, ends=[40],
+                    token=FIRST_TOKEN, mode="normal")
+        req = H.request(6001, 40, port, host="127.0.0.2")
+        (dreq,) = _admit_all(dec, [req])
+        dec.allocate(dreq, [60, 61, 62], None)
+        finish(dec, req)
+        done = node1.read()
+        assert done["finished"] == "FINISH_LENGTH" and req.finished_reason is None
+        assert H.page_crc(dec.pool, [60, 61, 62], None) == done["crc"]
+    finally:
+        node1.close()
+
+
+def test_unsupported_hybrid_states_are_refused_by_name(server_args) -> None:
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    args = SimpleNamespace(state_types=[StateType.MAMBA, StateType.SWA, StateType.BLOCK_SCALE],
+                           page_size=H.PAGE)
+    with pytest.raises(plugin.ConfigError, match=r"\['swa', 'block_scale'\] \(SGLang StateType\)"):
+        plugin.PdxferKVManager(args, "decode", server_args)
+    assert plugin.unsupported_states([StateType.MAMBA]) is None
+
+
+def test_decode_tp2_without_deferred_release_is_refused(server_args, monkeypatch) -> None:
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0")
+    args = SimpleNamespace(state_types=[], page_size=H.PAGE)
+    with pytest.raises(plugin.ConfigError, match="attn_tp_size=2.*needs SGLang's deferred decode KV"):
+        plugin.PdxferKVManager(args, "decode", server_args)
+
+
+def test_release_memory_occupation_of_moving_pools_is_refused(server_args) -> None:
+    dec = decode(server_args, "mha0")
+    dec.prealloc.release_memory_occupation()  # no memory saver: the pools stay put, a no-op
+    dec.prealloc.resume_memory_occupation()
+    mgr = dec.prealloc.kv_manager
+    saved = mgr.server_args
+    mgr.server_args = SimpleNamespace(enable_memory_saver=True)
+    try:
+        with pytest.raises(plugin.ConfigError, match="--enable-memory-saver would move the KV pools"):
+            dec.prealloc.release_memory_occupation()
+    finally:
+        mgr.server_args = saved
+
+
+def test_the_early_send_event_orders_the_chunk_it_belongs_to() -> None:
+    sent = []
+    engine = SimpleNamespace(send=lambda rid, idx, **kw: sent.append(kw), try_poll=lambda rid: None)
+    mgr = SimpleNamespace(mode="prefill", engine=engine, register_room=lambda room: None,
+                          indices=lambda kv, aux, st: {"kv": kv})
+    sender = plugin.PdxferKVSender(mgr, "127.0.0.1:1", 9, req_has_disagg_prefill_dp_rank=True)
+    sender.init(3, aux_index=0)
+    event = object()  # SGLang's torch.cuda.Event on the forward stream (overlap scheduling)
+    sender._early_send_wait_event = event
+    sender.send([1])
+    sender.send([2], indices_event="indices")
+    sender.send([3], state_indices=[])
+    assert sent == [{"last": False, "ready": event}, {"last": False, "ready": "indices"},
+                    {"last": True}]
 
 
 def test_managers_close(server_args) -> None:
