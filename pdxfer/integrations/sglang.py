@@ -310,7 +310,7 @@ class PdxferKVManager(BaseKVManager):
         # (`prefetch_prefill_dp_rank_queries`), made on first use as its managers make it.
         self._prefill_recompute_executor: concurrent.futures.ThreadPoolExecutor | None = None
         # Requests SGLang forgot (clear()) while pdxfer still held them live: aborted then,
-        # released once finished (`_reap`), so the engine's table does not grow.
+        # released once finished (`reap`), so the engine's table does not grow.
         self._orphans: set[str] = set()
         if self.mode == "prefill":
             try:
@@ -431,7 +431,7 @@ class PdxferKVManager(BaseKVManager):
         or at the end of a quarantine), released, or was never expected here.
         `required_acks` (SGLang's count of prefill acks) is not needed.
         """
-        self._reap()
+        self.reap()
         state = self.engine.try_poll(str(bootstrap_room))
         return state is None or state in (KVPoll.Success, KVPoll.Failed)
 
@@ -450,9 +450,9 @@ class PdxferKVManager(BaseKVManager):
         """Keep a request SGLang forgot while it was live, to release it once finished."""
         with self._lock:
             self._orphans.add(rid)
-        self._reap()
+        self.reap()
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
         """Release the orphans that finished (called from the scheduler's own calls)."""
         with self._lock:
             if not self._orphans:
@@ -523,7 +523,7 @@ class _Request:
             return self.outcome.state
         if self.local_failure is not None and not self.known:
             return KVPoll.Failed
-        self.kv_mgr._reap()
+        self.kv_mgr.reap()
         engine = self.kv_mgr.engine
         state = engine.try_poll(self.rid)
         if state is not None and state.finished:
@@ -575,7 +575,7 @@ class _Request:
         SGLang clears every TP rank's receiver when one rank failed; this
         rank's transfer may still be live then, and nothing would stop its
         prefill writing. The abort makes it Failed once nothing can land; the
-        manager releases it when it is (`PdxferKVManager._reap`).
+        manager releases it when it is (`PdxferKVManager.reap`).
         """
         if self.outcome is not None or not self.known:
             return

@@ -85,7 +85,7 @@ def managers():
     def mgr(engine, mode):
         m = SimpleNamespace(engine=engine, mode=mode, config=cfg, state_pools=[], prefill_info_table={},
                             register_room=lambda room: None, enable_deferred_decode_kv_release=False,
-                            _reap=lambda: None)
+                            reap=lambda: None)
         m.indices = lambda kv, aux, states: indices(m, kv, aux, states)
         return m
 
