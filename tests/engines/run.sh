@@ -47,4 +47,7 @@ if [ ! -f "$venv/.pdxfer-$key" ]; then
 fi
 # -P: the checkout is not put on sys.path, so the installed pdxfer (and the entry points in its
 # metadata) is what the engine finds, as in a deployment.
-exec "$venv/bin/python" -P -m pytest -q -p no:cacheprovider tests/engines/test_"$engine"_*.py "$@"
+# --confcutdir: tests/conftest.py (the main suite's) is not loaded; pytest would put tests/ on
+# sys.path for it, and tests/pdxfer/ would then shadow the installed pdxfer as a namespace package.
+exec "$venv/bin/python" -P -m pytest -q -p no:cacheprovider --confcutdir=tests/engines \
+    tests/engines/test_"$engine"_*.py "$@"
