@@ -23,6 +23,7 @@ from importlib import metadata
 # Each module exposes `main(argv) -> int` with a parser of its own.
 _COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
     "layout": {"": ("pdxfer.layout_example", "print the entry maps of an example hybrid model")},
+    "doctor": {"": ("pdxfer.doctor", "what this host can run: transports, memlock, RDMA, CUDA, UCX, etcd")},
     "bench": {
         "transport": ("pdxfer.bench.transport", "transport throughput vs memcpy and raw sockets"),
         "engine": ("pdxfer.bench.engine", "PD engine requests/s and per-request overhead"),

@@ -17,8 +17,8 @@ import socket
 import urllib.parse
 from collections.abc import Callable
 
-__all__ = ["bounded_float", "bounded_int", "check_ports_free", "device_name", "etcd_url",
-           "int_list", "name_list", "positive_float"]
+__all__ = ["bounded_float", "bounded_int", "byte_size", "check_ports_free", "device_name",
+           "etcd_url", "int_list", "name_list", "positive_float"]
 
 
 def bounded_int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -68,6 +68,24 @@ def bounded_float(minimum: float, maximum: float) -> Callable[[str], float]:
 
     parse.__name__ = "float"
     return parse
+
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """An argparse `type` for a byte count: `4096`, `512MiB`, `80GiB`, `1T` (binary units), > 0."""
+    body = text.strip().lower().removesuffix("b").removesuffix("i")
+    unit = body[-1:] if body[-1:] in _UNITS and not body[-1:].isdigit() else ""
+    number = body[: len(body) - len(unit)]
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size like 4096, 512MiB or 80GiB, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value * _UNITS[unit] <= 2**60):
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range; it must be 1 byte..1 EiB")
+    return int(value * _UNITS[unit])
 
 
 def int_list(minimum: int, maximum: int) -> Callable[[str], list[int]]:

@@ -13,7 +13,7 @@ TRANSPORT = [
     "LocalRegion",
     "NotifyHandler", "PeerLostError", "ProtocolError", "RegistrationError", "TransferHandle",
     "TransferTimeout", "TransportEngine", "TransportError", "available", "capabilities", "create",
-    "variants",
+    "known", "variants", "why_unavailable",
 ]
 LAYOUT = [
     "ElasticPools", "EntryField", "EntryMajorArena", "FORMAT_VERSION", "IndexMap",

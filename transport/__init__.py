@@ -30,7 +30,7 @@ from .errors import (
     TransferTimeout,
     TransportError,
 )
-from .registry import available, capabilities, create, variants
+from .registry import available, capabilities, create, known, variants, why_unavailable
 
 __all__ = [
     "BoundsError",
@@ -51,5 +51,7 @@ __all__ = [
     "available",
     "capabilities",
     "create",
+    "known",
     "variants",
+    "why_unavailable",
 ]

@@ -95,6 +95,25 @@ def available() -> list[str]:
     return [name for name in _BACKENDS if _importable(name)]
 
 
+def known() -> list[str]:
+    """Every backend and variant name this kit knows, installed here or not."""
+    return [*_BACKENDS, *_VARIANTS]
+
+
+def why_unavailable(name: str) -> str | None:
+    """Why backend or variant `name` cannot be made here (the import failure and install hint), or None.
+
+    The same rule `available()` applies, worded: `pdxfer doctor` prints it.
+    """
+    if name not in _BACKENDS and name not in _VARIANTS:
+        raise CapabilityError(f"unknown transport {name!r}; known: {', '.join(sorted(known()))}")
+    try:
+        _load(_resolve(name)[0])
+    except CapabilityError as exc:
+        return str(exc)
+    return None
+
+
 def variants() -> list[str]:
     """Names of the configured variants whose backend imports here (e.g. `nixl-all`)."""
     return [name for name, (backend, _) in _VARIANTS.items() if _importable(backend)]

@@ -1,0 +1,124 @@
+"""`pdxfer doctor`: each finding tells the truth about this host, and the exit status follows what was asked.
+
+The checks that depend on a limit (locked memory) run the command in a child
+whose limit the test sets, so the answer is known in advance; RDMA is tested
+against a sysfs tree the test builds (the kernel's layout), since this host
+has no device. The etcd half is in tests/directory/test_doctor_etcd.py, beside
+the suite's etcd.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from pdxfer import doctor, transport
+from pdxfer.cliargs import byte_size
+
+
+def _run(*argv: str, memlock: int | None = None) -> subprocess.CompletedProcess[str]:
+    def limit() -> None:
+        if memlock is not None:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (memlock, memlock))
+
+    return subprocess.run([sys.executable, "-m", "pdxfer", "doctor", *argv], capture_output=True,
+                          text=True, timeout=120, preexec_fn=limit, check=False)
+
+
+def _findings(run: subprocess.CompletedProcess[str]) -> dict[tuple[str, str], dict]:
+    return {(f["topic"], f["name"]): f for f in json.loads(run.stdout)["findings"]}
+
+
+def test_every_backend_is_reported_with_the_registrys_verdict() -> None:
+    found = {f.name: f for f in doctor.backends()}
+    assert sorted(found) == sorted(transport.known())
+    usable = set(transport.available()) | set(transport.variants())
+    for name, finding in found.items():
+        assert finding.ok is (name in usable), name
+        if not finding.ok:  # the reason names the backend and how to install it
+            assert name in finding.detail and finding.fix
+
+
+def test_why_unavailable_refuses_an_unknown_name() -> None:
+    with pytest.raises(transport.CapabilityError, match=r"unknown transport 'nosuch'; known: .*tcp"):
+        transport.why_unavailable("nosuch")
+
+
+def test_memlock_too_small_for_the_pin_fails_with_the_fix() -> None:
+    run = _run("--json", "--pin", "1GiB", memlock=64 * 1024)
+    assert run.returncode == 1, run.stderr
+    finding = _findings(run)[("memlock", "RLIMIT_MEMLOCK")]
+    assert finding["ok"] is False
+    assert "soft limit 65536 bytes" in finding["detail"]
+    assert f"needs {2**30 - 65536} more" in finding["detail"]
+    assert "ulimit -l" in finding["fix"]
+    assert json.loads(run.stdout)["failed"] == ["memlock RLIMIT_MEMLOCK"]
+
+
+def test_memlock_that_fits_passes_and_without_pin_is_information() -> None:
+    assert doctor.memlock(None).ok is None
+    run = _run("--json", "--pin", "4KiB", memlock=64 * 1024)
+    assert run.returncode == 0, run.stderr
+    assert _findings(run)[("memlock", "RLIMIT_MEMLOCK")]["ok"] is True
+
+
+def test_need_exit_status_follows_the_backend() -> None:
+    assert _run("--need", "tcp").returncode == 0
+    missing = [n for n in transport.known() if transport.why_unavailable(n)]
+    if not missing:
+        pytest.skip("every backend is usable on this host; no missing one to ask for")
+    run = _run("--need", missing[0])
+    assert run.returncode == 1
+    assert f"failed: backend {missing[0]}" in run.stdout
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--need", "nosuch"], "--need 'nosuch': unknown transport"),
+    (["--pin", "lots"], "expected a size like 4096"),
+    (["--pin", "0"], "out of range"),
+    (["--etcd", "localhost"], "not an etcd client URL"),
+    (["--timeout", "-1"], "out of range"),
+])
+def test_bad_flags_are_one_line_usage_errors(argv: list[str], message: str) -> None:
+    run = _run(*argv)
+    assert run.returncode == 2
+    assert message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_rdma_reads_ports_gids_and_numa_from_sysfs(tmp_path) -> None:
+    port = tmp_path / "mlx5_0" / "ports" / "1"
+    (port / "gids").mkdir(parents=True)
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "link_layer").write_text("Ethernet\n")
+    (port / "gids" / "0").write_text("fe80:0000:0000:0000:0000:0000:0000:0001\n")
+    (port / "gids" / "1").write_text("0000:0000:0000:0000:0000:0000:0000:0000\n")  # unset slot
+    (tmp_path / "mlx5_0" / "device").mkdir()
+    (tmp_path / "mlx5_0" / "device" / "numa_node").write_text("1\n")
+    down = tmp_path / "mlx5_1" / "ports" / "1"
+    down.mkdir(parents=True)
+    (down / "state").write_text("1: DOWN\n")
+    up, dead = doctor.rdma(tmp_path)
+    assert (up.name, up.ok) == ("mlx5_0/1", True)
+    assert up.detail == "state 4: ACTIVE, link layer Ethernet, 1 GID(s) set, NUMA node 1"
+    assert (dead.name, dead.ok) == ("mlx5_1/1", False) and "bring the port up" in dead.fix
+    assert doctor.rdma(tmp_path / "absent")[0].ok is None
+
+
+def test_ucx_lists_the_transports_ucx_reports() -> None:
+    finding = doctor.ucx()
+    if finding.ok is None:
+        pytest.skip(f"UCXX's UCX is not installed here: {finding.detail}")
+    assert finding.ok is True
+    assert "tcp(" in finding.detail and "self(" in finding.detail  # UCX always lists both
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("4096", 4096), ("512MiB", 512 * 2**20), ("80GiB", 80 * 2**30), ("1T", 2**40), ("2k", 2048),
+    ("1.5G", 3 * 2**29),
+])
+def test_byte_size_units(text: str, value: int) -> None:
+    assert byte_size(text) == value
