@@ -9,9 +9,13 @@ from __future__ import annotations
 import logging
 import threading
 
+import numpy as np
 import pytest
 from pdxfer.transport.errors import TransportError
 from pdxfer.transport.loop_thread import LoopThread
+from pdxfer.transport.testing import Backend, Rig
+
+from pdxfer import transport
 
 WAIT = 10.0  # a bound under load, never waited out when the code is right
 
@@ -102,3 +106,27 @@ def test_stop_from_the_loops_own_thread_only_asks() -> None:
     assert asked.wait(WAIT)
     assert box == [False]  # it did not join itself (that would have waited the whole WAIT)
     assert holder[0].stop(WAIT)
+
+
+@pytest.mark.parametrize("name", ["nixl", "verbs-sim"])
+def test_a_backend_whose_progress_round_raises_fails_its_links_writes_at_once(name: str) -> None:
+    # The wiring, per backend that runs on the kit: `on_failure` = `EngineBase.progress_failed`.
+    # Without it a write on the dead loop would wait out WAIT and raise TransferTimeout.
+    if name not in transport.available():
+        pytest.skip(f"backend {name} is not available here")
+    rig = Rig(Backend.named(name))
+    try:
+        table = np.array([[0, 0, 4096]], np.int64)
+        rig.conn.write(rig.src_region, rig.remote, table).wait(WAIT)  # warm: the loop works
+        progress = rig.tx._progress  # the test breaks the loop from inside: no public hook for that
+
+        def broken() -> object:
+            raise RuntimeError("injected round bug")
+
+        progress._round = broken
+        progress.kick()
+        with pytest.raises(TransportError, match=r"progress loop failed \(RuntimeError: injected "
+                                                 r"round bug\)"):
+            rig.conn.write(rig.src_region, rig.remote, table).wait(WAIT)
+    finally:
+        rig.close()
