@@ -13,15 +13,14 @@ on a worker; `Finish` settles the table).
 Data connections are opened by `handshake.DataLinks`, off every caller's
 thread and never under the lock: on a decode's Hello (the Welcome goes out
 once it is ready), and again after the decode fenced us (`Fenced`) or a
-connection was cut or lost (`prefill_peers.DecodePeers`). Until then a peer
-is not ready and chunks queue.
+connection was cut or lost (`prefill_peers.DecodePeers`, a collaborator
+with a narrow interface: it is handed the calls it needs, never this
+engine). Until then a peer is not ready and chunks queue.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import selectors
-import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -42,8 +41,8 @@ from .chunks import (
 )
 from .config import EngineConfig, KVPoll, RequestStats
 from .engine import Engine
-from .errors import LayoutError, RequestError
-from .handshake import DataLinks, Refusal
+from .errors import ClosedError, LayoutError, RequestError
+from .handshake import Refusal
 from .lifecycle import Cut, Finish, PrefillLife, Send, Timing
 from .prefill_peers import DecodePeers
 from .protocol import (
@@ -62,29 +61,34 @@ from .resizing import apply_live_range
 from .session import ControlConn, format_address, listen
 
 
-class PrefillEngine(DecodePeers, Engine):
+class PrefillEngine(Engine):
     """The sending side. `bootstrap_address` is what decode engines connect to."""
 
     role = "prefill"
 
     def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None) -> None:
-        self._sessions: dict[str, DecodePeer] = {}
-        self._links: set[ControlConn] = set()
-        self._listener: socket.socket | None = None
+        self._sessions: dict[str, DecodePeer] = {}  # shared with `_peers`, which adds and drops
+        self._links: set[ControlConn] = set()  # likewise: every control link, watched by `_tick`
+        self._peers: DecodePeers | None = None  # made once the progress loop exists
         super().__init__(pools, config)
         cfg = self.config
         self._timing = Timing(cfg.request_wait, cfg.grace)
-        call = self._progress.call
-        self._data = DataLinks(self._transport, cfg.connect_wait, f"pdxfer-dial-{self.engine_id}",
-                               lambda *a: call(self._on_data_ready, *a),
-                               lambda *a: call(self._on_data_failed, *a))
+        self._peers = DecodePeers(
+            sessions=self._sessions, links=self._links, table=self._table,
+            transport=self._transport, pools=self._pools, progress=self._progress, config=cfg,
+            engine_id=self.engine_id, transition=self._transition, defer=self._defer,
+            apply=self._apply,
+            # looked up per message: a hook installed on the engine after construction
+            # (the fault tests wrap `_on_message`) still sees every message
+            on_message=lambda link, msg: self._on_message(link, msg),
+            closed=lambda: self._closed)
         try:
-            self._listener = listen(cfg.host, cfg.port, "prefill")
+            listener = listen(cfg.host, cfg.port, "prefill")
         except BaseException:
             self.close()
             raise
-        self.bootstrap_address = format_address(cfg.host, self._listener.getsockname()[1])
-        call(self._progress.selector.register, self._listener, selectors.EVENT_READ, self._on_accept)
+        self.bootstrap_address = format_address(cfg.host, listener.getsockname()[1])
+        self._peers.serve(listener)
 
     # -- the public calls ---------------------------------------------------------
     def send(self, request_id: str, indices: Mapping[str, Any], *, last: bool = True,
@@ -128,7 +132,7 @@ class PrefillEngine(DecodePeers, Engine):
             self._apply(req, life.on_send(chunk, chunk.last, ready, now))
             req.sources.append(chunk.indices)  # in flight until the request finishes (resize)
             if session is not None and not ready:
-                self._reopen(session)
+                self._peers.reopen(session)
 
     def peers(self) -> list[DecodePeer]:
         """The decode engines connected now, one `chunks.DecodePeer` each (benches, diagnostics).
@@ -175,7 +179,7 @@ class PrefillEngine(DecodePeers, Engine):
                 if session is not None:  # once the lock is released, on the progress thread
                     self._defer(session.link.send, msg)
             elif isinstance(eff, Cut):
-                self._cut(req.session, f"transfers to decode still running {self.config.grace} s "
+                self._peers.cut(req.session, f"transfers to decode still running {self.config.grace} s "
                           "after the request failed; cut them", fenced=False)
             else:
                 self._post(req, eff.chunk)
@@ -197,7 +201,7 @@ class PrefillEngine(DecodePeers, Engine):
         session = link.owner
         if session is None:
             if isinstance(msg, Hello):
-                return self._on_hello(link, msg)
+                return self._peers.hello(link, msg)
             return link.refuse(f"expected a hello first, got {type(msg).TYPE!r}")
         if isinstance(session, Refusal):  # a refused decode names the requests that dooms
             if not isinstance(msg, (Abort, Ping)):
@@ -215,7 +219,7 @@ class PrefillEngine(DecodePeers, Engine):
                 return link.refuse(str(exc))
         if isinstance(msg, Fenced):
             with self._transition():
-                return self._cut(session, f"decode {session.engine} fenced this prefill", fenced=True)
+                return self._peers.cut(session, f"decode {session.engine} fenced this prefill", fenced=True)
         if not isinstance(msg, (Done, Abort)):
             if not isinstance(msg, Ping):
                 link.refuse(f"a prefill does not accept {type(msg).TYPE!r} messages")
@@ -265,7 +269,7 @@ class PrefillEngine(DecodePeers, Engine):
             self._apply(req, life.on_expect(xid, session.ready, now, bool(unfinished(req.handles))),
                         via=session)
             if req.session is session and not session.ready:
-                self._reopen(session)
+                self._peers.reopen(session)
 
     # -- timers (progress thread) ------------------------------------------------------
     def _tick(self, now: float) -> float:
@@ -282,3 +286,30 @@ class PrefillEngine(DecodePeers, Engine):
         silent = self._watch(self._links, now, lambda link: isinstance(link.owner, DecodePeer))
         self._close_links(silent)
         return 0.005 if failing else min(0.1, cfg.heartbeat / 2)
+
+    # -- close ----------------------------------------------------------------
+    def _shutdown(self) -> None:
+        # Let transfers already posted finish (bounded) rather than cutting them.
+        until = time.monotonic() + self.config.grace
+        with self._transition():
+            handles = [h for r in self._table.running() for h in r.handles]
+        for h in handles:
+            try:
+                h.wait(max(0.0, until - time.monotonic()))
+            except TransportError:
+                pass
+        if self._peers is not None:
+            self._run_on_progress(self._shutdown_on_thread, self.config.shutdown_wait)
+
+    def _join_workers(self) -> None:
+        if self._peers is not None:
+            self._peers.join(self.config.shutdown_wait)
+
+    def _shutdown_on_thread(self) -> None:
+        assert self._peers is not None
+        self._peers.close_data()
+        reason = "prefill engine closed"
+        with self._transition():
+            for req in self._table.running():
+                self._apply(req, req.life.on_close(reason, ClosedError(reason)))
+        self._peers.close_links(reason)

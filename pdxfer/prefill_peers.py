@@ -1,16 +1,26 @@
 """The prefill's peers: accepting decodes, their handshake, and their data connections.
 
-A mixin of `PrefillEngine`, split off so the engine module stays the
-request driver. It owns the per-peer half of the prefill: accepting control
-links, answering a Hello (`handshake.hello_routes`), and keeping each
-decode's data connection open — opened by `handshake.DataLinks` workers
-(the Welcome goes out once it is warm), cut or reopened after a fence, a cut
-or a loss, always with the lost transfers' requests told first
-(`PrefillLife.on_link_cut`) and finished only after the close returned —
-and, at close(), draining and closing all of them.
+A collaborator of `PrefillEngine` (`DecodePeers`), split off so the engine
+module stays the request driver, and handed only what it needs (#29: a
+narrow interface, not the engine's private fields — as `decode_dials.Dials`
+is for the decode). It owns the per-peer half of the prefill: accepting
+control links (backing off when out of descriptors), answering a Hello
+(`handshake.hello_routes`), and keeping each decode's data connection open —
+opened by `handshake.DataLinks` workers (the Welcome goes out once it is
+warm), cut or reopened after a fence, a cut or a loss, always with the lost
+transfers' requests told first (`PrefillLife.on_link_cut`) and finished only
+after the close returned — and, at close(), closing all of them.
 
-It reads the engine's `_lock`, `_table`, `_sessions`, `_links`, `_data`,
-`_progress`, `_pools`, `config` and `engine_id`, and calls its `_apply`.
+What it is given: the engine's peer table (`sessions`, by engine id) and its
+set of control links (`links`), both shared (the engine reads them for
+`peers()` and its liveness watch); the request table (to find a peer's
+requests); the transport (for `DataLinks`); the pools (Hello checks, the
+Welcome); the progress loop; the config and the engine id; and four calls of
+the engine's: `transition()` (the only way request state changes: lock held
+inside, effects after), `defer(fn, *args)` (run once that lock is released),
+`apply(req, effects, via)` (a request's transition effects, inside
+`transition()`), `on_message(link, msg)` (the engine's control handler,
+looked up per message), and `closed()`.
 """
 
 from __future__ import annotations
@@ -19,14 +29,15 @@ import logging
 import selectors
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from pdxfer.transport.errors import ProtocolError, TransportError
 from pdxfer.transport.listener import ACCEPT_BACKOFF, AcceptBackoff
 
 from .chunks import DecodePeer, PrefillRequest, unfinished
-from .errors import ClosedError
-from .handshake import Refusal, hello_routes
+from .handshake import DataLinks, Refusal, hello_routes
 from .protocol import Hello, Refuse, Welcome
 from .session import MAX_PENDING, ControlConn, format_address
 
@@ -34,30 +45,52 @@ log = logging.getLogger("pdxfer")
 
 
 class DecodePeers:
-    """Peer management for `PrefillEngine` (see the module docstring for what it reads)."""
+    """Peer management for `PrefillEngine` (see the module docstring for what it is given)."""
 
-    _lock: Any
-    _table: Any
-    _sessions: dict[str, DecodePeer]
-    _links: set[ControlConn]
-    _data: Any
-    _progress: Any
-    _pools: Any
-    _listener: Any
-    config: Any
-    engine_id: str
-    _refused_pending = 0  # connections closed at accept for MAX_PENDING (log throttle)
-    # ... and calls the engine's `_apply`, `_on_message` and `_run_on_progress` (no stubs here:
-    # this class precedes `Engine` in the MRO, so a stub would shadow the real method).
+    def __init__(self, *, sessions: dict[str, DecodePeer], links: set[ControlConn], table: Any,
+                 transport: Any, pools: Any, progress: Any, config: Any, engine_id: str,
+                 transition: Callable[[], AbstractContextManager[None]],
+                 defer: Callable[..., None],
+                 apply: Callable[..., None],
+                 on_message: Callable[[ControlConn, Any], None],
+                 closed: Callable[[], bool]) -> None:
+        self._sessions = sessions
+        self._links = links
+        self._table = table
+        self._pools = pools
+        self._progress = progress
+        self.config = config
+        self.engine_id = engine_id
+        self._transition = transition
+        self._defer = defer
+        self._apply = apply
+        self._on_message = on_message
+        self._is_closed = closed
+        self._listener: Any = None
+        self._accepting = AcceptBackoff("pdxfer prefill listener")
+        self._refused_pending = 0  # connections closed at accept for MAX_PENDING (log throttle)
+        call = progress.call
+        self._data = DataLinks(transport, config.connect_wait, f"pdxfer-dial-{engine_id}",
+                               lambda *a: call(self._on_data_ready, *a),
+                               lambda *a: call(self._on_data_failed, *a))
 
-    # -- data connections (lock held unless said otherwise) --------------------------------
-    def _reopen(self, session: DecodePeer) -> None:
+    def serve(self, listener: Any) -> None:
+        """Accept decodes on `listener` (bound, listening) from now on; it is ours to close."""
+        self._listener = listener
+        self._progress.call(self._progress.selector.register, listener, selectors.EVENT_READ,
+                            self._on_accept)
+
+    # -- data connections (inside the engine's `transition()` unless said otherwise) ---------
+    def reopen(self, session: DecodePeer) -> None:
         """Start reopening a peer's dead or missing data connection (once). Lock held."""
         if not session.opening and not session.ready and not session.link.closed:
-            self._cut(session, f"data connection to decode {session.engine} lost", fenced=False)
+            self.cut(session, f"data connection to decode {session.engine} lost", fenced=False)
 
-    def _cut(self, session: DecodePeer | None, reason: str, *, fenced: bool, reopen: bool = True) -> None:
-        """Close the peer's data connection (on a worker), failing what was in flight on it; reopen."""
+    def cut(self, session: DecodePeer | None, reason: str, *, fenced: bool, reopen: bool = True) -> None:
+        """Close the peer's data connection (on a worker), failing what was in flight on it; reopen.
+
+        Lock held (inside `transition()`).
+        """
         if session is None:
             return
         now, affected = time.monotonic(), []
@@ -88,7 +121,7 @@ class DecodePeers:
 
     def _on_data_ready(self, session: DecodePeer, epoch: int, conn: Any) -> None:
         with self._transition():
-            if epoch != session.epoch or session.link.closed or self._closed:
+            if epoch != session.epoch or session.link.closed or self._is_closed():
                 return
             session.conn, session.opening = conn, False
             if not session.welcomed:
@@ -118,14 +151,6 @@ class DecodePeers:
         self._refuse(session.link, "transport", reason)
 
     # -- control links (progress thread) ---------------------------------------------
-    _accepting_backoff: AcceptBackoff | None = None
-
-    @property
-    def _accepting(self) -> AcceptBackoff:
-        if self._accepting_backoff is None:
-            self._accepting_backoff = AcceptBackoff("pdxfer prefill listener")
-        return self._accepting_backoff
-
     def _pause_accepting(self, listener: Any) -> None:
         """Out of fds: the failed connection stays queued and the level-triggered selector would
         report it again at once (a spinning core). Stop watching the listener for
@@ -166,11 +191,12 @@ class DecodePeers:
                 sock.close()
                 continue
             self._links.add(ControlConn(sock, self._progress, f"decode at {format_address(peer[0], peer[1])}",
-                                 self._on_message,
-                                 self._link_lost,
-                                 accepted=True))
+                                        self._on_message,
+                                        self._link_lost,
+                                        accepted=True))
 
-    def _on_hello(self, link: ControlConn, msg: Hello) -> None:
+    def hello(self, link: ControlConn, msg: Hello) -> None:
+        """A stranger's Hello: refuse it, or make it a peer and open its data connection."""
         try:
             routes = hello_routes(self._pools, self.config.transport, msg)
         except Refusal as exc:
@@ -185,7 +211,7 @@ class DecodePeers:
         self._sessions[msg.engine] = link.owner = session
         link.label = f"decode {msg.engine}"
         with self._transition():
-            self._reopen(session)  # the Welcome goes out once the data connection is warm
+            self.reopen(session)  # the Welcome goes out once the data connection is warm
 
     def _refuse(self, link: ControlConn, kind: str, reason: str) -> None:
         """Refuse a decode's handshake, logged; keep its link to hear which requests that dooms.
@@ -219,35 +245,20 @@ class DecodePeers:
                 req = self._table.find(rid)
                 if isinstance(req, PrefillRequest) and req.session is session:
                     self._apply(req, req.life.on_link_lost(why, now, bool(unfinished(req.handles))))
-            self._cut(session, why, fenced=False, reopen=False)
+            self.cut(session, why, fenced=False, reopen=False)
 
-    # -- close ----------------------------------------------------------------
-    def _shutdown(self) -> None:
-        # Let transfers already posted finish (bounded) rather than cutting them.
-        until = time.monotonic() + self.config.grace
-        with self._transition():
-            handles = [h for r in self._table.running() for h in r.handles]
-        for h in handles:
-            try:
-                h.wait(max(0.0, until - time.monotonic()))
-            except TransportError:
-                pass
-        self._run_on_progress(self._shutdown_on_thread, self.config.shutdown_wait)
-
-    def _join_workers(self) -> None:
-        self._data.close(self.config.shutdown_wait)
-
-    def _shutdown_on_thread(self) -> None:
+    # -- close (progress thread, then the closing thread) --------------------------------------
+    def close_data(self) -> None:
+        """Close every peer's data connection (progress thread, at close; nothing reopens them)."""
         with self._transition():
             closing = [s.conn for s in self._sessions.values() if s.conn is not None]
             for s in self._sessions.values():
                 s.conn, s.epoch = None, s.epoch + 1
         for conn in closing:
             conn.close()
-        reason = "prefill engine closed"
-        with self._transition():
-            for req in self._table.running():
-                self._apply(req, req.life.on_close(reason, ClosedError(reason)))
+
+    def close_links(self, reason: str) -> None:
+        """Close every control link and stop listening (progress thread, at close)."""
         for link in list(self._links):
             link.close(reason)
         if self._listener is not None:
@@ -256,3 +267,7 @@ class DecodePeers:
             except (KeyError, ValueError):
                 pass
             self._listener.close()
+
+    def join(self, timeout: float) -> None:
+        """Join the data-connection workers (bounded), once the transport is closed."""
+        self._data.close(timeout)

@@ -14,6 +14,11 @@ the thread sleeps in `select` — there is no busy-spinning anywhere.
 
 A handler that raises is logged and the loop carries on: one malformed peer
 or one bug in a callback must not take down every other request's progress.
+The thread itself, its stop and its bounded join, and what happens if
+anything escapes a turn (a bug of the loop: logged once, kept as `failure`,
+the loop ends) are the transport kit's `loop_thread.LoopThread`, shared with
+the backends' progress loops (#29); this loop sleeps in `select`, so its
+wake-up is the socketpair, handed to the kit as `wake`.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import collections
 import logging
 import selectors
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from pdxfer.transport.loop_thread import LoopThread
 
 log = logging.getLogger("pdxfer")
 
@@ -50,12 +56,17 @@ class Progress:
         # the commands: a call queued meanwhile is run by that drain, unsent.
         self._woken = False
         self._next_tick = 0.0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._loop = LoopThread(name, self._turn, wake=self.wake)
 
     @property
     def on_thread(self) -> bool:
-        return threading.current_thread() is self._thread
+        """Whether the caller is the progress thread (every handler runs there)."""
+        return self._loop.on_thread
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the loop ended early (a bug escaped a turn), or None."""
+        return self._loop.failure
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn(*args)` on the progress thread, soon, in call order."""
@@ -96,26 +107,27 @@ class Progress:
         except (BlockingIOError, OSError):
             pass
 
-    def _run(self) -> None:
-        while not self._stopping:
-            timeout = max(0.0, min(self._next_tick - time.monotonic(), _MAX_SLEEP))
+    def _turn(self) -> float:
+        """One turn: sockets, then queued commands, then the tick if due; it sleeps in `select`."""
+        timeout = max(0.0, min(self._next_tick - time.monotonic(), _MAX_SLEEP))
+        try:
+            events = self.selector.select(timeout)
+        except OSError:  # a socket closed under select; its owner already knows
+            events = []
+        for key, mask in events:
+            self._guard(key.data, mask)
+        self._woken = False  # before draining: a call from now on wakes us again
+        while self._commands:
+            fn, args = self._commands.popleft()
+            self._guard(fn, *args)
+        now = time.monotonic()
+        if now >= self._next_tick:
             try:
-                events = self.selector.select(timeout)
-            except OSError:  # a socket closed under select; its owner already knows
-                events = []
-            for key, mask in events:
-                self._guard(key.data, mask)
-            self._woken = False  # before draining: a call from now on wakes us again
-            while self._commands:
-                fn, args = self._commands.popleft()
-                self._guard(fn, *args)
-            now = time.monotonic()
-            if now >= self._next_tick:
-                try:
-                    self._next_tick = now + max(0.001, self._tick(now))
-                except Exception:
-                    log.exception("pdxfer progress tick failed")
-                    self._next_tick = now + _MAX_SLEEP
+                self._next_tick = now + max(0.001, self._tick(now))
+            except Exception:
+                log.exception("pdxfer progress tick failed")
+                self._next_tick = now + _MAX_SLEEP
+        return 0.0  # the sleep was the select
 
     @staticmethod
     def _guard(fn: Callable[..., Any], *args: Any) -> None:
@@ -126,13 +138,10 @@ class Progress:
 
     def stop(self, timeout: float) -> None:
         """Run what is queued, stop the loop and join it (bounded); idempotent."""
-        self._stopping = True
-        self.wake()
-        if not self.on_thread:
-            self._thread.join(timeout)
+        ended = self._loop.stop(timeout)
         # Commands queued after the last turn still run, here, so none is lost —
         # unless the thread is stuck, when running them here would race it.
-        while self._commands and not self._thread.is_alive():
+        while self._commands and ended:
             fn, args = self._commands.popleft()
             self._guard(fn, *args)
         for sock in (self._wake_r, self._wake_w):

@@ -60,7 +60,7 @@ from .base import Capabilities, Connection, LocalRegion, NotifyHandler, Transpor
 from .closing import BYE_WAIT
 from .device_copy import Scratches
 from .dial import Dials
-from .errors import CapabilityError, ClosedError, RegistrationError
+from .errors import CapabilityError, ClosedError, RegistrationError, TransportError
 from .inbound import InboundTable
 from .link import Link, LinkContext
 from .listener import DEFAULT_MAX_PENDING, Listener, Slot
@@ -323,6 +323,19 @@ class EngineBase(TransportEngine):
             raise CapabilityError(
                 f"{self.name} engine {self.engine_id} cannot fence a peer: {self.why_no_fence()}")
         self.inbound.fence(engine_id)
+
+    def progress_failed(self, error: TransportError) -> None:
+        """The backend's progress thread died (`loop_thread.LoopThread`): every link fails now.
+
+        Outbound links are severed with `error` (their handles fail with it,
+        not after their own timeouts); inbound links are fenced — nothing
+        progresses them any more, so nothing of theirs may be delivered.
+        Runs on a thread of its own, after the loop's thread ended.
+        """
+        for link in self.outbound.links():
+            link.sever(error)
+        for inbound in self.inbound.links():
+            inbound.fence()
 
     def why_no_fence(self) -> str:
         """Why this instance's `capabilities.fence` is False (the refusal's reason)."""

@@ -100,7 +100,8 @@ class NixlEngine(EngineBase):
         self._serving = None if self.capabilities.fence else self._initiator
         self._requests = Requests(self._initiator)
         self._progress = Progress(self.engine_id, self._requests, self._shared,
-                                  shared=self._serving is not None)
+                                  shared=self._serving is not None,
+                                  on_failure=self.progress_failed)
         try:
             self.listen(host, port, max_pending)
         except BaseException:

@@ -27,6 +27,12 @@ to the handler through the kit's `InboundLink.deliver` (never after a
 fence) and then acknowledged to its sender in one `Acks` frame per link per
 round.
 
+The thread, its stop and wake-up and what happens when a round raises are
+the kit's `loop_thread.LoopThread`: a round that raises ends the loop, logged
+once, and the engine's `on_failure` fails every link at once
+(`EngineBase.progress_failed`) — before, it was logged and retried every
+round, up to 500 tracebacks a second while nothing moved.
+
 Deletion condition: a NIXL Python API exposing the UCX worker's event fd or
 a completion callback; then this becomes a blocking wait.
 """
@@ -34,11 +40,13 @@ a completion callback; then this becomes a blocking wait.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 from ..control import LinkRegions
+from ..errors import TransportError
+from ..loop_thread import LoopThread
 from .requests import Requests
 
 log = logging.getLogger(__name__)
@@ -53,42 +61,34 @@ class Progress:
     """The thread that drives one engine's NIXL agents."""
 
     def __init__(self, name: str, requests: Requests, links: LinkRegions, *,
-                 shared: bool = False) -> None:
-        """`shared`: the initiating agent serves every inbound link (their notifications come from it)."""
+                 shared: bool = False,
+                 on_failure: Callable[[TransportError], None] | None = None) -> None:
+        """`shared`: the initiating agent serves every inbound link (their notifications come from it).
+
+        `on_failure(error)`: a round raised and the loop ended (`LoopThread`).
+        """
         self._requests = requests
         self._links = links
         self._shared = shared
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name=f"nixl-progress {name}", daemon=True)
-        self._thread.start()
+        self._delay = MIN_DELAY
+        self._loop = LoopThread(f"nixl-progress {name}", self._turn, on_failure=on_failure)
 
     def on_thread(self) -> bool:
         """Whether the caller is this loop's thread (a notify handler runs there)."""
-        return threading.current_thread() is self._thread
+        return self._loop.on_thread
 
     def kick(self) -> None:
         """Run a round now (a write was submitted)."""
-        self._wake.set()
+        self._loop.kick()
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float) -> bool:
         """Stop after the current round; waits at most `timeout` (a notify handler may block)."""
-        self._stop = True
-        self._wake.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        return self._loop.stop(timeout)
 
-    def _run(self) -> None:
-        delay = MIN_DELAY
-        while not self._stop:
-            try:
-                worked, sending = self._round()
-            except Exception:  # a bug here must not silently stop every transfer
-                log.exception("nixl progress round failed")
-                worked, sending = False, False
-            delay = MIN_DELAY if worked or sending else min(delay * 2, MAX_DELAY)
-            self._wake.wait(delay)
-            self._wake.clear()
+    def _turn(self) -> float:
+        worked, sending = self._round()
+        self._delay = MIN_DELAY if worked or sending else min(self._delay * 2, MAX_DELAY)
+        return self._delay
 
     def _round(self) -> tuple[bool, bool]:
         refused, worked = self._requests.post()

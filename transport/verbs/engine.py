@@ -147,7 +147,8 @@ class VerbsEngine(EngineBase):
         self._dmabufs, self._flushes = DmaBufs(self._cuda), Flushes(self._cuda)
         self._shared = LinkRegions(self.regions, self.inbound, InboundPeer)  # every link, every region
         self._serial = itertools.count(1)
-        self._progress = Progress(self.engine_id, self.outbound, self._shared, self._flushes)
+        self._progress = Progress(self.engine_id, self.outbound, self._shared, self._flushes,
+                                  on_failure=self.progress_failed)
         try:
             if self._pinned or len(self._ports) == 1:  # nothing for a GPU to decide later
                 self._device(None)

@@ -18,6 +18,11 @@ Per round, the notes that arrived are delivered in three steps:
    with `block=False`, so the thread never waits on a sender's socket (acks
    the socket does not take now go on a later round, `flush_acks`).
 
+The thread, its stop and wake-up and what happens when a round raises are
+the kit's `loop_thread.LoopThread`: a round that raises ends the loop, logged
+once, and the engine's `on_failure` fails every link at once
+(`EngineBase.progress_failed`) instead of a traceback logged every round.
+
 Nothing here takes the engine's locks or waits on a peer: one stalled
 sender delays no other link's completions.
 """
@@ -25,11 +30,12 @@ sender delays no other link's completions.
 from __future__ import annotations
 
 import logging
-import threading
+from collections.abc import Callable
 
 from ..control import LinkRegions
 from ..engine import Outbound
 from ..errors import TransportError
+from ..loop_thread import LoopThread
 from .cuda import Flushes
 
 log = logging.getLogger(__name__)
@@ -40,38 +46,26 @@ JOIN_TIMEOUT = 5.0
 class Progress:
     """The thread that polls one engine's completion queues."""
 
-    def __init__(self, name: str, outbound: Outbound, links: LinkRegions, flushes: Flushes) -> None:
+    def __init__(self, name: str, outbound: Outbound, links: LinkRegions, flushes: Flushes,
+                 on_failure: Callable[[TransportError], None] | None = None) -> None:
+        """`on_failure(error)`: a round raised and the loop ended (`LoopThread`)."""
         self._outbound, self._links, self._flushes = outbound, links, flushes
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"verbs-progress {name}")
-        self._thread.start()
+        self._idle = 0
+        self._loop = LoopThread(f"verbs-progress {name}", self._turn, on_failure=on_failure)
 
     def kick(self) -> None:
-        self._wake.set()
+        self._loop.kick()
 
     def stop(self) -> bool:
         """Stop and join (bounded); False if the thread is still busy (a notify handler is stuck)."""
-        self._stop = True
-        self._wake.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(JOIN_TIMEOUT)
-        return not self._thread.is_alive()
+        return self._loop.stop(JOIN_TIMEOUT)
 
-    def _run(self) -> None:
-        idle = 0
-        while not self._stop:
-            try:
-                busy = self._round()
-            except Exception:  # a bug here must not silently stop every transfer
-                log.exception("verbs progress round failed")
-                busy = False
-            if busy:
-                idle = 0
-                continue
-            idle += 1
-            self._wake.wait(min(IDLE_POLL, 2e-5 * idle))
-            self._wake.clear()
+    def _turn(self) -> float:
+        if self._round():
+            self._idle = 0
+            return 0.0  # completions are coming: poll again at once
+        self._idle += 1
+        return min(IDLE_POLL, 2e-5 * self._idle)
 
     def _round(self) -> bool:
         busy = False
