@@ -17,7 +17,12 @@ exit within `--run-timeout`. Prints one line per crash, then
     .venv/bin/python benchmarks/ucx_crash_hunt.py --runs 120 --time 900
 
 `--repo PATH` hunts in another checkout (its packages are imported instead
-of this one's), which is how the figure for older code is taken.
+of this one's), which is how the figure for older code is taken. `--cores DIR`
+lets each victim dump core into `DIR/victim-PID/` (the kernel's `core_pattern`
+must be a relative name, the default `core`): a crash's line names the file,
+and `gdb -batch -ex bt PYTHON CORE` gives the native stack that the Python
+stack `faulthandler` prints cannot (how the UCX frames in docs/reliability.md
+were found). Clean runs' directories are removed.
 """
 
 from __future__ import annotations
@@ -42,9 +47,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="a quick close comes this many s after the kill at most (default 0.02)")
     p.add_argument("--tls", default="tcp", choices=("tcp", "all"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cores", type=Path, default=None,
+                   help="victims dump core into DIR/victim-PID/ (default: no core files)")
     p.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1],
                    help="the checkout whose pdxfer is hunted")
     a = p.parse_args(argv)
+    a.repo = a.repo.resolve()  # a victim with --cores runs in another directory
     if a.runs < 1 or a.time <= 0 or a.mib < 1 or a.writes < 1 or a.run_timeout <= 0:
         p.error("--runs, --time, --mib, --writes and --run-timeout must be positive")
     return a
@@ -122,6 +130,8 @@ def _fork_side(a: argparse.Namespace, victim: bool) -> tuple[int, int, int]:
         try:
             os.close(r_out)
             os.close(w_in)
+            if victim and a.cores is not None:
+                _core_here(a.cores)
             code = _engine_side(a, w_out, r_in, victim)
         except BaseException as exc:  # a failure of the run, not a crash: say it and exit
             try:
@@ -134,6 +144,28 @@ def _fork_side(a: argparse.Namespace, victim: bool) -> tuple[int, int, int]:
     os.close(w_out)
     os.close(r_in)
     return pid, r_out, w_in
+
+
+def _core_here(cores: Path) -> None:
+    """Let this process dump core, into a directory of its own under `cores`."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
+    where = cores / f"victim-{os.getpid()}"
+    where.mkdir(parents=True, exist_ok=True)
+    os.chdir(where)
+
+
+def _core_of(a: argparse.Namespace, pid: int, crashed: bool) -> str:
+    """`, core PATH` for a crashed victim that left one; a clean run's directory is removed."""
+    if a.cores is None:
+        return ""
+    where = a.cores / f"victim-{pid}"
+    cores = sorted(where.glob("core*")) if where.is_dir() else []
+    if not crashed and not cores and where.is_dir():
+        where.rmdir()
+    return f", core {cores[0]}" if crashed and cores else ""
 
 
 def _wait(pid: int, timeout: float) -> int | None:
@@ -181,7 +213,9 @@ def one_run(a: argparse.Namespace, rng: random.Random) -> str | None:
             _wait(victim, 5.0)
             return f"victim hung past {a.run_timeout} s"
         if os.WIFSIGNALED(status):
-            return f"victim killed by signal {os.WTERMSIG(status)} ({signal.Signals(os.WTERMSIG(status)).name})"
+            return (f"victim killed by signal {os.WTERMSIG(status)} "
+                    f"({signal.Signals(os.WTERMSIG(status)).name}){_core_of(a, victim, True)}")
+        _core_of(a, victim, False)
         if os.WEXITSTATUS(status) != 0:
             return f"set-up failed (victim exit {os.WEXITSTATUS(status)}); not counted as a crash"
         return None

@@ -24,7 +24,13 @@ Measured traps of UCXX's Python API that shape the backend (0.52):
   link died mid-handshake, the double-close class of UCXX bug
   (rapidsai/ucxx#184). An endpoint UCX already failed was closed by its
   error handling; dropping it (on the UCX thread: `Progress.own`) is all
-  that is left.
+  that is left. The same hunt still crashes about 1 run in 400, and the
+  one native stack taken (docs/reliability.md, #35.7) is an abort inside
+  UCX's tcp transport during a plain `progress()`: a tcp endpoint whose
+  connection was still being set up when the peer died is destroyed with a
+  non-empty pending queue (`uct_tcp_ep_destroy_progress`, tcp_ep.c). No
+  guard here reaches it, and no other thread would: an abort ends the
+  process. Deletion condition for this note: a UCX that purges that queue.
 * no per-request cancel. Closing an endpoint cancels the receives posted on
   it that are not yet matched (UCX's `ucp_request_cancel`);
   `Worker.cancel_inflight_requests()` cancels only what UCXX scheduled after
