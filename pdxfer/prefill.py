@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import selectors
 import socket
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +39,7 @@ from .chunks import (
     transfer_error,
     unfinished,
 )
+from .clock import MONOTONIC, Clock
 from .config import EngineConfig, KVPoll, RequestStats
 from .engine import Engine
 from .errors import LayoutError, RequestError
@@ -67,11 +67,12 @@ class PrefillEngine(DecodePeers, Engine):
 
     role = "prefill"
 
-    def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None) -> None:
+    def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None, *,
+                 clock: Clock = MONOTONIC) -> None:
         self._sessions: dict[str, DecodePeer] = {}
         self._links: set[ControlConn] = set()
         self._listener: socket.socket | None = None
-        super().__init__(pools, config)
+        super().__init__(pools, config, clock=clock)
         cfg = self.config
         self._timing = Timing(cfg.request_wait, cfg.grace)
         call = self._progress.call
@@ -102,7 +103,7 @@ class PrefillEngine(DecodePeers, Engine):
         rid = check_request_id(request_id)
         chunk = Chunk(chunk_indices(self._pools, rid, indices), bool(last), bool(checkpoint),
                       self._pools.readiness(ready))
-        now = time.monotonic()
+        now = self._progress.clock.now()
         with self._transition():
             self._check_open()
             req = self._table.find(rid)
@@ -148,7 +149,7 @@ class PrefillEngine(DecodePeers, Engine):
         rid = check_request_id(request_id)
         with self._transition():
             req = self._table.get(rid)
-            self._apply(req, req.life.on_abort(f"aborted by prefill: {reason}", time.monotonic(),
+            self._apply(req, req.life.on_abort(f"aborted by prefill: {reason}", self._progress.clock.now(),
                                                bool(unfinished(req.handles))))
 
     # -- effects (inside `_transition()`) ----------------------------------------------
@@ -184,7 +185,7 @@ class PrefillEngine(DecodePeers, Engine):
     def _post(self, req: PrefillRequest, chunk: Chunk) -> None:
         session = req.session
         assert session is not None and session.conn is not None
-        now = time.monotonic()
+        now = self._progress.clock.now()
         try:
             parts = chunk.parts if chunk.parts is not None else plan_chunk(req, chunk, self._pools)
             post_parts(req, parts, chunk.last, session.conn, chunk.ready)
@@ -220,7 +221,7 @@ class PrefillEngine(DecodePeers, Engine):
             if not isinstance(msg, Ping):
                 link.refuse(f"a prefill does not accept {type(msg).TYPE!r} messages")
             return
-        now = time.monotonic()
+        now = self._progress.clock.now()
         with self._transition():
             req = self._table.find(msg.request)
             if isinstance(msg, Abort) and req is None:  # nothing here yet: remember why
@@ -247,7 +248,7 @@ class PrefillEngine(DecodePeers, Engine):
         except (ProtocolError, RequestError) as exc:
             return session.link.refuse(str(exc))
         unknown = sorted(p for p in dst if p not in self._pools.arenas)
-        now = time.monotonic()
+        now = self._progress.clock.now()
         with self._transition():
             if unknown or self._closed:
                 why = f"prefill has no pool(s) {unknown}" if unknown else "prefill engine closing"
