@@ -248,14 +248,36 @@ def test_stalled_prefill_times_out_on_decode(backend) -> None:
             prefill.wait("orphan", WAIT)
 
 
-def test_unreachable_prefill_fails_the_request_with_the_reason(backend) -> None:
+def _closed_port() -> int:
     import socket
 
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with DecodeEngine(build_pools(16, 4), config(backend)) as decode:
+        return probe.getsockname()[1]
+
+
+def test_unreachable_prefill_fails_the_request_with_the_reason_in_real_time() -> None:
+    # The real-time check of this fault class (one backend); every backend: the test below.
+    port = _closed_port()
+    with DecodeEngine(build_pools(16, 4), config("tcp")) as decode:
         decode.expect("u", f"127.0.0.1:{port}", {"kv": [1]})
+        with pytest.raises(RequestFailed, match="cannot connect to prefill at 127.0.0.1"):
+            decode.wait("u", WAIT)
+
+
+def test_unreachable_prefill_fails_the_request_with_the_reason(backend) -> None:
+    # The dial window and its backoff run on the engine clock: virtual time steps through
+    # the retries (each a real, refused connect) to the end of a window only it can reach.
+    port = _closed_port()
+    clock = ManualClock()
+    cfg = config(backend, timeout=120.0, connect_timeout=30.0)
+    with DecodeEngine(build_pools(16, 4), cfg, clock=clock) as decode:
+        decode.expect("u", f"127.0.0.1:{port}", {"kv": [1]})
+        for _ in range(200):
+            settle(decode)
+            if decode.poll("u") is KVPoll.Failed:
+                break
+            clock.advance(0.5)
         with pytest.raises(RequestFailed, match="cannot connect to prefill at 127.0.0.1"):
             decode.wait("u", WAIT)
 
