@@ -40,13 +40,13 @@ import heapq
 import itertools
 import logging
 import math
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from pdxfer.transport.errors import PeerLostError, ProtocolError
 
 from . import resizing
+from .clock import MONOTONIC, Clock
 from .config import EngineConfig, KVPoll
 from .decode_dials import Dials
 from .directory.records import PeerRecord
@@ -79,7 +79,7 @@ class DecodeEngine(Engine):
     role = "decode"
 
     def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None,
-                 directory: Any = None) -> None:
+                 directory: Any = None, *, clock: Clock = MONOTONIC) -> None:
         self._sessions: dict[str, PrefillPeer] = {}
         self._xids = itertools.count(1)
         # Notifies the transport handed over, applied in bursts by the progress thread.
@@ -98,7 +98,7 @@ class DecodeEngine(Engine):
         self._directory = directory
         self._unsubscribe = None
         self._dials: Dials | None = None  # made once the progress loop exists; it may tick first
-        super().__init__(pools, config)
+        super().__init__(pools, config, clock=clock)
         cfg = self.config
         self._dials = Dials(
             sessions=self._sessions, progress=self._progress, lock=self._lock, config=cfg,
@@ -140,7 +140,7 @@ class DecodeEngine(Engine):
             self._check_open()
             if self._pools.generation != gen:  # a resize ran meanwhile: check its live ranges
                 dst, msg = expect_message(self._pools, rid, xid, indices)
-            life = DecodeLife(rid, xid, msg, self._timing, time.monotonic(), fence=self._can_fence)
+            life = DecodeLife(rid, xid, msg, self._timing, self._progress.clock.now(), fence=self._can_fence)
             req = DecodeRequest(rid, life, dst, record)
             self._table.add(req)
             self._schedule(req)
@@ -170,7 +170,7 @@ class DecodeEngine(Engine):
         rid = check_request_id(request_id)
         with self._transition():
             req = self._table.get(rid)
-            self._apply(req, req.life.on_abort(f"aborted by decode: {reason}", time.monotonic()))
+            self._apply(req, req.life.on_abort(f"aborted by decode: {reason}", self._progress.clock.now()))
 
     # -- effects (inside `_transition()`) ------------------------------------------------
     def _apply(self, req: DecodeRequest, effects: list) -> None:
@@ -277,7 +277,7 @@ class DecodeEngine(Engine):
             req.session = session
             session.requests.add(req.id)
             if session.ready:
-                self._apply(req, req.life.on_link_ready(time.monotonic()))
+                self._apply(req, req.life.on_link_ready(self._progress.clock.now()))
             else:
                 session.waiting.append(req)
 
@@ -311,7 +311,7 @@ class DecodeEngine(Engine):
                 log.warning("pdxfer decode: dropping a malformed notify from %s: %s", sender, exc)
         if not msgs:
             return
-        now = time.monotonic()
+        now = self._progress.clock.now()
         with self._transition():
             for sender, msg in msgs:
                 req = self._table.find(msg.request)
@@ -376,7 +376,7 @@ class DecodeEngine(Engine):
         session.ready = True
         self._dials.reached(session.addr)
         session.link.label = f"prefill {msg.engine} at {session.addr}"
-        now = time.monotonic()
+        now = self._progress.clock.now()
         with self._transition():
             for req in session.waiting:
                 try:  # one request's failure to go out must not stop the others' Expects

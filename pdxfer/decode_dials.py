@@ -40,7 +40,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -92,7 +91,7 @@ class Dials:
 
     def dial(self, addr: str, expected: str | None) -> PrefillPeer:
         """A new peer for `addr`, its first dial queued behind the request binding to it."""
-        session = PrefillPeer(addr, expected, time.monotonic() + self.config.connect_wait,
+        session = PrefillPeer(addr, expected, self._progress.clock.now() + self.config.connect_wait,
                               retry=addr not in self._gone)
         self._sessions[addr] = session
         self._progress.call(self._connect, session)
@@ -146,7 +145,7 @@ class Dials:
         session.link = None
         session.attempts += 1
         session.why_not = why
-        now = time.monotonic()
+        now = self._progress.clock.now()
         if session.retry and not self._closed and now < session.connect_by:
             delay = min(_RETRY_MAX, _RETRY_FIRST * 2 ** min(session.attempts - 1, 16))
             session.retry_at = min(now + delay, session.connect_by)

@@ -39,6 +39,7 @@ from pdxfer import layout, transport
 from pdxfer.transport import closing
 
 from . import resizing
+from .clock import MONOTONIC, Clock
 from .config import EngineConfig, KVPoll, RequestStats
 from .errors import ClosedError, ConfigError, RequestError, RequestFailed, UnknownRequestError
 from .pools import PoolSet
@@ -55,7 +56,8 @@ class Engine:
 
     role = "engine"
 
-    def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None) -> None:
+    def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None, *,
+                 clock: Clock = MONOTONIC) -> None:
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
@@ -74,7 +76,8 @@ class Engine:
             self._pools = PoolSet(pools, self._transport)
             self._table = RequestTable(self.role)
             self._lock = self._table.lock
-            self._progress = Progress(f"pdxfer-{self.role}-{self._transport.engine_id}", self._tick)
+            self._progress = Progress(f"pdxfer-{self.role}-{self._transport.engine_id}", self._tick,
+                                      clock)
         except BaseException:
             self._transport.close()
             raise

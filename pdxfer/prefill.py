@@ -39,6 +39,7 @@ from .chunks import (
     transfer_error,
     unfinished,
 )
+from .clock import MONOTONIC, Clock
 from .config import EngineConfig, KVPoll, RequestStats
 from .engine import Engine
 from .errors import ClosedError, LayoutError, RequestError
@@ -66,11 +67,12 @@ class PrefillEngine(Engine):
 
     role = "prefill"
 
-    def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None) -> None:
+    def __init__(self, pools: Mapping[str, Any], config: EngineConfig | None = None, *,
+                 clock: Clock = MONOTONIC) -> None:
         self._sessions: dict[str, DecodePeer] = {}  # shared with `_peers`, which adds and drops
         self._links: set[ControlConn] = set()  # likewise: every control link, watched by `_tick`
         self._peers: DecodePeers | None = None  # made once the progress loop exists
-        super().__init__(pools, config)
+        super().__init__(pools, config, clock=clock)
         cfg = self.config
         self._timing = Timing(cfg.request_wait, cfg.grace)
         self._peers = DecodePeers(
@@ -106,7 +108,7 @@ class PrefillEngine(Engine):
         rid = check_request_id(request_id)
         chunk = Chunk(chunk_indices(self._pools, rid, indices), bool(last), bool(checkpoint),
                       self._pools.readiness(ready))
-        now = time.monotonic()
+        now = self._progress.clock.now()
         with self._transition():
             self._check_open()
             req = self._table.find(rid)
@@ -152,7 +154,7 @@ class PrefillEngine(Engine):
         rid = check_request_id(request_id)
         with self._transition():
             req = self._table.get(rid)
-            self._apply(req, req.life.on_abort(f"aborted by prefill: {reason}", time.monotonic(),
+            self._apply(req, req.life.on_abort(f"aborted by prefill: {reason}", self._progress.clock.now(),
                                                bool(unfinished(req.handles))))
 
     # -- effects (inside `_transition()`) ----------------------------------------------
@@ -188,7 +190,7 @@ class PrefillEngine(Engine):
     def _post(self, req: PrefillRequest, chunk: Chunk) -> None:
         session = req.session
         assert session is not None and session.conn is not None
-        now = time.monotonic()
+        now = self._progress.clock.now()
         try:
             parts = chunk.parts if chunk.parts is not None else plan_chunk(req, chunk, self._pools)
             post_parts(req, parts, chunk.last, session.conn, chunk.ready)
@@ -224,7 +226,7 @@ class PrefillEngine(Engine):
             if not isinstance(msg, Ping):
                 link.refuse(f"a prefill does not accept {type(msg).TYPE!r} messages")
             return
-        now = time.monotonic()
+        now = self._progress.clock.now()
         with self._transition():
             req = self._table.find(msg.request)
             if isinstance(msg, Abort) and req is None:  # nothing here yet: remember why
@@ -251,7 +253,7 @@ class PrefillEngine(Engine):
         except (ProtocolError, RequestError) as exc:
             return session.link.refuse(str(exc))
         unknown = sorted(p for p in dst if p not in self._pools.arenas)
-        now = time.monotonic()
+        now = self._progress.clock.now()
         with self._transition():
             if unknown or self._closed:
                 why = f"prefill has no pool(s) {unknown}" if unknown else "prefill engine closing"

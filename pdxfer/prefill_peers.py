@@ -93,7 +93,7 @@ class DecodePeers:
         """
         if session is None:
             return
-        now, affected = time.monotonic(), []
+        now, affected = self._progress.clock.now(), []
         for rid in list(session.requests):
             req = self._table.find(rid)
             if isinstance(req, PrefillRequest) and req.session is session and not req.finished:
@@ -128,7 +128,7 @@ class DecodePeers:
                 session.welcomed = True
                 self._defer(session.link.send,
                             Welcome(self.engine_id, self._pools.descs, self._pools.fingerprints))
-            now = time.monotonic()
+            now = self._progress.clock.now()
             for rid in list(session.requests):
                 req = self._table.find(rid)
                 if isinstance(req, PrefillRequest) and req.session is session:
@@ -146,7 +146,7 @@ class DecodePeers:
                 for rid in list(session.requests):
                     req = self._table.find(rid)
                     if isinstance(req, PrefillRequest) and req.session is session:
-                        self._apply(req, req.life.on_post_failed(reason, exc, time.monotonic(), False))
+                        self._apply(req, req.life.on_post_failed(reason, exc, self._progress.clock.now(), False))
                 return
         self._refuse(session.link, "transport", reason)
 
@@ -228,7 +228,7 @@ class DecodePeers:
             del self._sessions[session.engine]  # never welcomed: nothing of it to cut
         link.owner = Refusal(kind, reason)
         link.handshaken = False
-        link.opened = time.monotonic()  # its connect_timeout to hang up runs from the refusal
+        link.opened = self._progress.clock.now()  # its connect_timeout to hang up runs from the refusal
         link.send(Refuse(kind, reason))
 
     def _link_lost(self, link: ControlConn, reason: str) -> None:
@@ -237,7 +237,7 @@ class DecodePeers:
         if not isinstance(session, DecodePeer):  # a stranger, or a refused decode
             return
         why = f"decode engine {session.engine} lost: {reason}"
-        now = time.monotonic()
+        now = self._progress.clock.now()
         with self._transition():
             if self._sessions.get(session.engine) is session:
                 del self._sessions[session.engine]

@@ -33,6 +33,8 @@ from typing import Any
 
 from pdxfer.transport.loop_thread import LoopThread
 
+from .clock import MONOTONIC, Clock
+
 log = logging.getLogger("pdxfer")
 
 # Ticks never sleep longer than this, so a changed deadline is seen within it
@@ -43,19 +45,23 @@ _MAX_SLEEP = 0.25
 class Progress:
     """A selector loop on its own thread, with a command queue and a tick."""
 
-    def __init__(self, name: str, tick: Callable[[float], float]) -> None:
+    def __init__(self, name: str, tick: Callable[[float], float], clock: Clock = MONOTONIC) -> None:
         self._tick = tick
+        # Every deadline of the engine this loop serves reads this clock (pdxfer.clock); a
+        # jump of a test's ManualClock asks for a tick, so the jump is seen at the next turn.
+        self.clock = clock
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, self._drain)
         self._commands: collections.deque[tuple[Callable[..., Any], tuple]] = collections.deque()
-        self._stopping = False
         # A wake-up byte is in flight and the loop has not yet begun draining
         # the commands: a call queued meanwhile is run by that drain, unsent.
         self._woken = False
         self._next_tick = 0.0
+        self._tick_asked = False
+        self._unwatch = clock.watch(self.tick_soon)
         self._loop = LoopThread(name, self._turn, wake=self.wake)
 
     @property
@@ -96,8 +102,11 @@ class Progress:
             pass  # full: a wake-up is already pending; closed: we are stopping
 
     def tick_soon(self) -> None:
-        """Ask for a tick at the loop's next turn (a deadline moved closer)."""
-        self._next_tick = 0.0
+        """Ask for a tick at the loop's next turn (a deadline moved closer, or the clock jumped)."""
+        # A flag, not `_next_tick = 0`: a tick running meanwhile would overwrite that with its
+        # own next time and the ask would be lost; the flag is cleared before the tick reads
+        # the clock, so an ask made during a tick gets a tick of its own.
+        self._tick_asked = True
         self.wake()
 
     def _drain(self, _mask: int) -> None:
@@ -109,7 +118,12 @@ class Progress:
 
     def _turn(self) -> float:
         """One turn: sockets, then queued commands, then the tick if due; it sleeps in `select`."""
-        timeout = max(0.0, min(self._next_tick - time.monotonic(), _MAX_SLEEP))
+        # The loop's own turns are scheduled in real time; only the tick's `now` is the
+        # engine clock's. Under a ManualClock the tick still polls what settles in real
+        # time (the decode's landed transfers) at its cadence, and an `advance` asks for
+        # a tick at once (`tick_soon`), so no deadline waits for time that will not flow.
+        due = 0.0 if self._tick_asked else self._next_tick
+        timeout = max(0.0, min(due - time.monotonic(), _MAX_SLEEP))
         try:
             events = self.selector.select(timeout)
         except OSError:  # a socket closed under select; its owner already knows
@@ -120,13 +134,14 @@ class Progress:
         while self._commands:
             fn, args = self._commands.popleft()
             self._guard(fn, *args)
-        now = time.monotonic()
-        if now >= self._next_tick:
+        real = time.monotonic()
+        if self._tick_asked or real >= self._next_tick:
+            self._tick_asked = False
             try:
-                self._next_tick = now + max(0.001, self._tick(now))
+                self._next_tick = real + max(0.001, self._tick(self.clock.now()))
             except Exception:
                 log.exception("pdxfer progress tick failed")
-                self._next_tick = now + _MAX_SLEEP
+                self._next_tick = real + _MAX_SLEEP
         return 0.0  # the sleep was the select
 
     @staticmethod
@@ -138,6 +153,7 @@ class Progress:
 
     def stop(self, timeout: float) -> None:
         """Run what is queued, stop the loop and join it (bounded); idempotent."""
+        self._unwatch()
         ended = self._loop.stop(timeout)
         # Commands queued after the last turn still run, here, so none is lost —
         # unless the thread is stuck, when running them here would race it.

@@ -44,7 +44,6 @@ import errno
 import logging
 import selectors
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -148,7 +147,7 @@ class ControlConn:
         self.handshaken = not accepted
         self.closed = False
         self.close_reason: str | None = None
-        now = time.monotonic()
+        now = self._progress.clock.now()
         self.opened = now
         self.last_rx = now
         self.last_tx = now
@@ -184,7 +183,7 @@ class ControlConn:
         if self.closed:
             return
         self._out += CONTROL.pack(msg)
-        self.last_tx = time.monotonic()
+        self.last_tx = self._progress.clock.now()
         if not self.connecting:
             self._flush()
 
@@ -209,7 +208,7 @@ class ControlConn:
     def _note_backlog(self) -> None:
         if len(self._out) > MAX_BACKLOG:
             if self.stuck_since is None:
-                self.stuck_since = time.monotonic()
+                self.stuck_since = self._progress.clock.now()
                 log.warning("pdxfer: %s is not reading (%d B queued); its input is paused",
                             self.label, len(self._out))
         elif self.stuck_since is not None and len(self._out) <= MAX_BACKLOG // 2:
@@ -259,7 +258,7 @@ class ControlConn:
             budget -= len(data)
             if len(data) < _READ_CHUNK:
                 break
-        self.last_rx = time.monotonic()
+        self.last_rx = self._progress.clock.now()
         self._parse()
 
     def _parse(self) -> None:

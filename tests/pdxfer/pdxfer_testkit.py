@@ -203,3 +203,20 @@ def serve(engine, handlers: dict) -> None:
             reply = handlers[words[0]](*words[1:])
         print(reply, flush=True)
     engine.close()
+
+
+def settle(*engines, wait: float = 10.0) -> None:
+    """Return once each engine's progress loop has run a full turn, tick included, since the call.
+
+    After `ManualClock.advance` the loops are asked for a tick (`tick_soon`); a
+    command queued now runs in the next turn, before that turn's tick, so the
+    second command below runs only after a tick that saw the new time.
+    """
+    import threading
+
+    for engine in engines:
+        for _ in range(2):
+            done = threading.Event()
+            engine._progress.call(done.set)
+            if not done.wait(wait):
+                raise AssertionError(f"{engine.role} engine's progress loop made no turn in {wait} s")

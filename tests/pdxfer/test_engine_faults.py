@@ -12,7 +12,15 @@ import time
 
 import pytest
 import torch
-from pdxfer_testkit import KV_FIELDS, assert_buffers, build_pools, config, expected_after, snapshot
+from pdxfer_testkit import (
+    KV_FIELDS,
+    assert_buffers,
+    build_pools,
+    config,
+    expected_after,
+    settle,
+    snapshot,
+)
 
 from pdxfer import (
     DecodeEngine,
@@ -24,6 +32,7 @@ from pdxfer import (
     TransferTimeout,
     layout,
 )
+from pdxfer.clock import ManualClock
 from pdxfer.protocol import Done
 
 WAIT = 10.0
@@ -189,9 +198,11 @@ def test_layout_mismatch_is_refused_with_pool_and_field_named(backend) -> None:
     assert_buffers(dst, before)
 
 
-def test_stalled_prefill_times_out_on_decode(backend) -> None:
+def test_stalled_prefill_times_out_on_decode_in_real_time() -> None:
+    # The real-time check of this fault class (one backend): the manual-clock test below
+    # covers every backend in milliseconds; this one proves the bound holds on the wall clock.
     src, dst = build_pools(64, 16), build_pools(64, 16)
-    cfg = config(backend, timeout=1.0)
+    cfg = config("tcp", timeout=1.0)
     with PrefillEngine(src, cfg) as prefill, DecodeEngine(dst, cfg) as decode:
         t0 = time.monotonic()
         decode.expect("slow", prefill.bootstrap_address, {"kv": [1]})  # prefill never sends
@@ -209,21 +220,72 @@ def test_stalled_prefill_times_out_on_decode(backend) -> None:
         assert 0.9 < time.monotonic() - t0 < 2.5
 
 
-def test_unreachable_prefill_fails_the_request_with_the_reason(backend) -> None:
+def test_stalled_prefill_times_out_on_decode(backend) -> None:
+    # Virtual time (pdxfer.clock.ManualClock): the bound is checked on both sides of it, on
+    # every backend, without waiting it out. It is 30 s, beyond the test's real waits (WAIT),
+    # so only the manual clock can reach it; the links' liveness bound is further still.
+    src, dst = build_pools(64, 16), build_pools(64, 16)
+    cfg = config(backend, timeout=120.0, request_timeout=30.0)
+    clock = ManualClock()
+    with PrefillEngine(src, cfg, clock=clock) as prefill, DecodeEngine(dst, cfg, clock=clock) as decode:
+        decode.expect("slow", prefill.bootstrap_address, {"kv": [1]})  # prefill never sends
+        _heard(prefill, "slow")  # so the decode's link is ready: its deadline runs from then
+        clock.advance(29.99)
+        settle(decode)
+        assert decode.poll("slow") is KVPoll.WaitingForInput  # not before the bound
+        clock.advance(0.02)
+        with pytest.raises(RequestFailed, match="timed out: no progress for 30.0 s") as info:
+            decode.wait("slow", WAIT)
+        assert isinstance(info.value.__cause__, TransferTimeout)
+        # Prefill-side: a send nobody expects fails after the same bound, not before.
+        prefill.send("orphan", {"kv": [1]})
+        settle(prefill)
+        clock.advance(29.99)
+        settle(prefill)
+        assert prefill.poll("orphan") is KVPoll.Bootstrapping
+        clock.advance(0.02)
+        with pytest.raises(RequestFailed, match="no decode expected it within 30.0 s"):
+            prefill.wait("orphan", WAIT)
+
+
+def _closed_port() -> int:
     import socket
 
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with DecodeEngine(build_pools(16, 4), config(backend)) as decode:
+        return probe.getsockname()[1]
+
+
+def test_unreachable_prefill_fails_the_request_with_the_reason_in_real_time() -> None:
+    # The real-time check of this fault class (one backend); every backend: the test below.
+    port = _closed_port()
+    with DecodeEngine(build_pools(16, 4), config("tcp")) as decode:
         decode.expect("u", f"127.0.0.1:{port}", {"kv": [1]})
         with pytest.raises(RequestFailed, match="cannot connect to prefill at 127.0.0.1"):
             decode.wait("u", WAIT)
 
 
-def test_prefill_fails_a_request_the_decode_never_confirms(backend, monkeypatch) -> None:
+def test_unreachable_prefill_fails_the_request_with_the_reason(backend) -> None:
+    # The dial window and its backoff run on the engine clock: virtual time steps through
+    # the retries (each a real, refused connect) to the end of a window only it can reach.
+    port = _closed_port()
+    clock = ManualClock()
+    cfg = config(backend, timeout=120.0, connect_timeout=30.0)
+    with DecodeEngine(build_pools(16, 4), cfg, clock=clock) as decode:
+        decode.expect("u", f"127.0.0.1:{port}", {"kv": [1]})
+        for _ in range(200):
+            settle(decode)
+            if decode.poll("u") is KVPoll.Failed:
+                break
+            clock.advance(0.5)
+        with pytest.raises(RequestFailed, match="cannot connect to prefill at 127.0.0.1"):
+            decode.wait("u", WAIT)
+
+
+def test_prefill_fails_a_request_the_decode_never_confirms_in_real_time(monkeypatch) -> None:
+    # The real-time check of this fault class (one backend); every backend: the test below.
     src, dst = build_pools(64, 16), build_pools(64, 16)
-    cfg = config(backend, timeout=1.0)
+    cfg = config("tcp", timeout=1.0)
     with PrefillEngine(src, cfg) as prefill, DecodeEngine(dst, cfg) as decode:
         heard = prefill._on_message  # a decode whose Done is lost on the way
 
@@ -236,6 +298,33 @@ def test_prefill_fails_a_request_the_decode_never_confirms(backend, monkeypatch)
         prefill.send("mute", {"kv": [2]})
         assert decode.wait("mute", WAIT) is KVPoll.Success
         with pytest.raises(RequestFailed, match="decode did not confirm the data within 1.0 s"):
+            prefill.wait("mute", WAIT)
+        assert decode.poll("mute") is KVPoll.Success  # the prefill's late Abort changes nothing
+
+
+def test_prefill_fails_a_request_the_decode_never_confirms(backend, monkeypatch) -> None:
+    src, dst = build_pools(64, 16), build_pools(64, 16)
+    cfg = config(backend, timeout=120.0, request_timeout=30.0)  # reached only by the manual clock
+    clock = ManualClock()
+    with PrefillEngine(src, cfg, clock=clock) as prefill, DecodeEngine(dst, cfg, clock=clock) as decode:
+        heard = prefill._on_message  # a decode whose Done is lost on the way
+
+        def deaf(link, msg):
+            if not isinstance(msg, Done):
+                heard(link, msg)
+
+        monkeypatch.setattr(prefill, "_on_message", deaf)
+        decode.expect("mute", prefill.bootstrap_address, {"kv": [1]})
+        prefill.send("mute", {"kv": [2]})
+        assert decode.wait("mute", WAIT) is KVPoll.Success
+        # The confirm window opens once the prefill sees its transfer land (a real event it
+        # polls), so virtual time moves in steps of just over the bound until it expires.
+        for _ in range(20):
+            settle(prefill)
+            if prefill.poll("mute") is KVPoll.Failed:
+                break
+            clock.advance(30.01)
+        with pytest.raises(RequestFailed, match="decode did not confirm the data within 30.0 s"):
             prefill.wait("mute", WAIT)
         assert decode.poll("mute") is KVPoll.Success  # the prefill's late Abort changes nothing
 
