@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import selectors
 import threading
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
