@@ -62,6 +62,19 @@ from .resizing import apply_live_range
 from .session import ControlConn, format_address, listen
 
 
+def _never_expected(req: Any) -> bool:
+    """`release(keep=)`: a local request no decode's Expect had reached (its decode may come late)."""
+    return isinstance(req, PrefillRequest) and req.life.local and not req.life.expected
+
+
+def released_reason(rid: str, gone: RequestOutcome) -> str:
+    """What a decode whose Expect came after the prefill released the request is told."""
+    how = gone.state.name + (f": {gone.reason}" if gone.reason else "")
+    return (f"prefill already released request {rid!r} ({how}) before this decode's Expect "
+            "arrived; its KV is gone — recompute it, or raise the prefill's request_timeout "
+            "(or renew its hold with DecodeEngine.hold) so it waits for this decode")
+
+
 class PrefillEngine(DecodePeers, Engine):
     """The sending side. `bootstrap_address` is what decode engines connect to."""
 
@@ -114,6 +127,7 @@ class PrefillEngine(DecodePeers, Engine):
                     checked = True
                 req = PrefillRequest(rid, PrefillLife(rid, self._timing, now, local=True))
                 self._table.tombstones.pop(rid)
+                self._table.released.pop(rid)  # a new use of a released id: expected anew
                 self._table.add(req)
                 if tomb is not None:  # the decode gave up on it before the caller got here
                     return self._apply(req, req.life.on_abort(tomb.reason or "failed", now, False))
@@ -137,6 +151,18 @@ class PrefillEngine(DecodePeers, Engine):
         in them may change under the reader.
         """
         return list(self._sessions.values())
+
+    def release(self, request_id: str) -> RequestOutcome:
+        """Forget a finished request; an Expect for it that arrives later fails at once.
+
+        Only a request no decode had expected yet is remembered so (bounded,
+        `requests.Tombstones`): its decode may still be queued, and its Expect
+        would otherwise be taken as a new use of the id and fail one
+        `request_timeout` later (#30.5, #31.3). A `send()` of the id starts a
+        new use and clears the mark; an Expect for a reused id must therefore
+        come after that `send()`, or the id be fresh.
+        """
+        return self._table.release(check_request_id(request_id), keep=_never_expected)
 
     def _check_sources(self, chunk: Chunk) -> None:
         """Refuse source indices outside their pools: what a queued chunk is checked by."""
@@ -252,8 +278,11 @@ class PrefillEngine(DecodePeers, Engine):
             if unknown or self._closed:
                 why = f"prefill has no pool(s) {unknown}" if unknown else "prefill engine closing"
                 return self._defer(session.link.send, Abort(rid, xid, why, False))
-            self._table.tombstones.pop(rid)  # a new use of the id
             req = self._table.find(rid)
+            gone = self._table.released.get(rid) if req is None else None
+            if gone is not None:  # a late Expect: the caller released it unexpected
+                return self._defer(session.link.send, Abort(rid, xid, released_reason(rid, gone), False))
+            self._table.tombstones.pop(rid)  # a new use of the id
             if req is None:
                 req = PrefillRequest(rid, PrefillLife(rid, self._timing, now, local=False))
                 self._table.add(req)

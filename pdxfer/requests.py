@@ -145,6 +145,9 @@ class RequestTable:
         self.changed = threading.Condition(self.lock)
         self._requests: dict[str, Request] = {}
         self.tombstones = Tombstones()
+        # Ids the local caller released before any peer asked for them (`release(keep=)`):
+        # a peer that asks later is answered at once, not taken as a new use (#30.5, #31.3).
+        self.released = Tombstones()
 
     # -- lookups (caller holds the lock) -------------------------------------
     def find(self, request_id: str) -> Request | None:
@@ -228,7 +231,8 @@ class RequestTable:
     def stats(self, request_id: str) -> RequestStats:
         return self.outcome(request_id).stats
 
-    def release(self, request_id: str) -> RequestOutcome:
+    def release(self, request_id: str, keep: Any = None) -> RequestOutcome:
+        """Forget a finished request; `keep(req)` True also remembers it in `released` (bounded)."""
         with self.lock:
             req = self._requests.get(request_id)
             if req is None:
@@ -242,7 +246,10 @@ class RequestTable:
                     "for Failed before release()"
                 )
             del self._requests[request_id]
-            return req.outcome()
+            outcome = req.outcome()
+            if keep is not None and keep(req):
+                self.released.add(request_id, outcome)
+            return outcome
 
     def wait(self, request_id: str, timeout: float | None) -> KVPoll:
         """Block until the request finishes: Success, `RequestFailed`, or `TransferTimeout`."""
