@@ -120,7 +120,8 @@ class DecodeEngine(Engine):
             self._unsubscribe = directory.subscribe(self._on_directory)
 
     # -- the public calls ---------------------------------------------------------
-    def expect(self, request_id: str, prefill: str | PeerRecord, indices: Mapping[str, Any]) -> None:
+    def expect(self, request_id: str, prefill: str | PeerRecord, indices: Mapping[str, Any], *,
+               offsets: Mapping[str, int] | None = None) -> None:
         """Announce a request and the destination entries (per pool) its cache goes to.
 
         `prefill` is the prefill's bootstrap address, or its directory record
@@ -130,16 +131,22 @@ class DecodeEngine(Engine):
         Validates the id and every index up front (`LayoutError`, `RequestError`);
         a duplicate id is refused. Returns at once: the handshake, if this is
         the first request to that prefill, runs in the background.
+
+        `offsets` (a tail-only Expect, a decode prefix hit): `{pool: k}` — this
+        decode already holds the first k entries of what the prefill sends in
+        `pool`; `indices[pool]` names destinations for the entries after them
+        only, the prefill ships only those, and Success means every one of
+        them landed (the held prefix entries are never written).
         """
         rid = check_request_id(request_id)
         record = self.check_prefill(prefill)
         xid = next(self._xids)
         gen = self._pools.generation
-        dst, msg = expect_message(self._pools, rid, xid, indices)
+        dst, msg = expect_message(self._pools, rid, xid, indices, offsets)
         with self._lock:
             self._check_open()
             if self._pools.generation != gen:  # a resize ran meanwhile: check its live ranges
-                dst, msg = expect_message(self._pools, rid, xid, indices)
+                dst, msg = expect_message(self._pools, rid, xid, indices, offsets)
             life = DecodeLife(rid, xid, msg, self._timing, time.monotonic(), fence=self._can_fence)
             req = DecodeRequest(rid, life, dst, record)
             self._table.add(req)

@@ -55,6 +55,7 @@ from .protocol import (
     Hello,
     LiveRange,
     Ping,
+    check_offsets,
     unpack_indices,
 )
 from .requests import RequestOutcome, check_request_id
@@ -270,6 +271,7 @@ class PrefillEngine(DecodePeers, Engine):
             check_request_id(rid)
             dst = {pool: unpack_indices(raw, f"expect {rid!r:.80} pool {pool!r}")
                    for pool, raw in msg.indices.items()}
+            skip = dict(check_offsets(msg.offsets, dst, f"expect {rid!r:.80}"))
         except (ProtocolError, RequestError) as exc:
             return session.link.refuse(str(exc))
         unknown = sorted(p for p in dst if p not in self._pools.arenas)
@@ -290,6 +292,7 @@ class PrefillEngine(DecodePeers, Engine):
             if not life.expected and not life.finished:
                 req.session, req.peer, req.dst = session, session.engine, dst
                 req.cursor = dict.fromkeys(dst, 0)
+                req.skip = skip
                 session.requests.add(rid)
             self._apply(req, life.on_expect(xid, session.ready, now, bool(unfinished(req.handles))),
                         via=session)

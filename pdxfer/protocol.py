@@ -10,7 +10,10 @@ The conversation:
 
     decode  → prefill   Hello      engine id, transport address, pools (described), regions
     prefill → decode    Welcome    engine id, pools (described)        — or Refuse(reason)
-    decode  → prefill   Expect     request id, transfer id, destination indices per pool
+    decode  → prefill   Expect     request id, transfer id, destination indices per pool;
+                                   `offsets`: per pool, the leading entries of what the prefill
+                                   sends that the decode already holds (a prefix hit): the
+                                   destinations name only the tail after them (version 5)
     prefill → decode    (data)     one transfer per pool, each carrying a `Landed` notify
     decode  → prefill   Done       every part of every chunk through the last has landed
     either  → other     Abort      request failed/aborted here; `fence` = bytes may still fly
@@ -47,7 +50,8 @@ import numpy as np
 from pdxfer.transport.errors import ProtocolError
 from pdxfer.transport.wire import LENGTH, Protocol
 
-VERSION = 4  # 2: Fenced; 3: LiveRange; 4: Abort/AbortAck name their `links` (#25.1)
+VERSION = 5  # 2: Fenced; 3: LiveRange; 4: Abort/AbortAck name their `links` (#25.1);
+# 5: Expect.offsets (tail-only Expect) and Renew (a decode keeps a prefill's hold, #30, #31)
 # Data links an Abort/AbortAck may name: a prefill has one live data link per decode and
 # a few it has just cut; anything longer is refused as malformed.
 MAX_LINKS = 64
@@ -97,6 +101,7 @@ class Expect:
     request: str
     xid: int
     indices: dict  # pool -> pack_indices(dst)
+    offsets: dict = field(default_factory=dict)  # pool -> entries skipped (`check_offsets`)
 
 
 @dataclass(frozen=True)
@@ -230,6 +235,22 @@ def unpack_indices(raw: Any, what: str) -> np.ndarray:
         size = len(raw) if isinstance(raw, bytes) else type(raw).__name__
         raise ProtocolError(f"{what}: indices must be int64 bytes (a multiple of 8), got {size}")
     return np.frombuffer(raw, dtype="<i8").astype(np.int64)
+
+
+def check_offsets(offsets: Any, pools: Any, what: str) -> dict[str, int]:
+    """An Expect's `offsets` as `{pool: entries >= 1}`, or `ProtocolError` naming `what`.
+
+    Each pool must be one the Expect names destinations in (`pools`); a
+    count is an int in 1..2**40 (0 is sent as absent; bool is refused).
+    """
+    if not isinstance(offsets, dict) or len(offsets) > len(pools):
+        raise ProtocolError(f"{what}: offsets must be a map of at most {len(pools)} pools, "
+                            f"got {offsets!r:.200}")
+    for pool, k in offsets.items():
+        if pool not in pools or isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= 1 << 40:
+            raise ProtocolError(f"{what}: offset {k!r:.40} for pool {pool!r:.80} must be an entry "
+                                "count 1..2**40 of a pool the Expect names")
+    return offsets
 
 
 def check_links(links: Any, what: str) -> list[str]:

@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
-from pdxfer_testkit import build_pools, config, entries_crc
+from pdxfer.transport.errors import ProtocolError
+from pdxfer_testkit import (
+    assert_buffers,
+    build_pools,
+    config,
+    entries_crc,
+    expected_after,
+    snapshot,
+)
 
-from pdxfer import DecodeEngine, KVPoll, PrefillEngine, RequestFailed, TransferTimeout
+from pdxfer import DecodeEngine, KVPoll, PrefillEngine, RequestError, RequestFailed, TransferTimeout
+from pdxfer.protocol import check_offsets
 
 BACKENDS = ["loopback", "tcp"]
 WAIT = 20.0
@@ -82,3 +92,91 @@ def test_a_released_success_is_not_marked(engines) -> None:
         decode.wait("ok", 0.3)
     prefill.send("ok", {"kv": [4]})
     assert decode.wait("ok", WAIT) is KVPoll.Success
+
+
+# -- 2. a tail-only Expect ----------------------------------------------------------------------
+SRC_KV = np.array([40, 41, 42, 43, 50, 51, 52])  # what the prefill computed and sends, in order
+PREFIX = [100, 101, 102, 103]  # the decode's prefix-cache entries holding the first four already
+TAIL = np.array([200, 201, 202])  # where the decode wants the three uncached ones
+
+
+def test_tail_only_expect_ships_only_the_tail(engines) -> None:
+    prefill, decode, src, dst = engines
+    before = snapshot(dst)
+    prefix_crc = entries_crc(dst, "kv", PREFIX)  # canaries: the decode's cached prefix entries
+    decode.expect("tail", prefill.bootstrap_address, {"kv": TAIL, "state": [9]},
+                  offsets={"kv": 4})
+    prefill.send("tail", {"kv": SRC_KV, "state": [3]})
+    assert decode.wait("tail", WAIT) is KVPoll.Success
+    assert prefill.wait("tail", WAIT) is KVPoll.Success
+    # Every byte of the decode's pools: the tail and the state entry landed, nothing else moved.
+    assert_buffers(dst, expected_after(dst, before, src, [("kv", SRC_KV[4:], TAIL),
+                                                          ("state", [3], [9])]))
+    assert entries_crc(dst, "kv", PREFIX) == prefix_crc
+    stats = decode.stats("tail")
+    assert stats.nbytes == 3 * src["kv"].entry_bytes + src["state"].entry_bytes
+    assert prefill.stats("tail").nbytes == stats.nbytes
+
+
+def test_the_offset_spans_chunks(engines) -> None:
+    """Chunked prefill: the first chunk is all prefix (nothing of it moves), the second
+    starts with the prefix's last entry."""
+    prefill, decode, src, dst = engines
+    before = snapshot(dst)
+    decode.expect("span", prefill.bootstrap_address, {"kv": TAIL}, offsets={"kv": 4})
+    prefill.send("span", {"kv": SRC_KV[:3]}, last=False)
+    prefill.send("span", {"kv": SRC_KV[3:]})
+    assert decode.wait("span", WAIT) is KVPoll.Success
+    assert_buffers(dst, expected_after(dst, before, src, [("kv", SRC_KV[4:], TAIL)]))
+
+
+def test_a_fully_cached_pool_moves_nothing_of_it(engines) -> None:
+    """Every entry of a pool cached (an empty tail): the request still needs its state."""
+    prefill, decode, src, dst = engines
+    before = snapshot(dst)
+    decode.expect("all", prefill.bootstrap_address, {"kv": [], "state": [5]},
+                  offsets={"kv": len(SRC_KV)})
+    prefill.send("all", {"kv": SRC_KV, "state": [2]})
+    assert decode.wait("all", WAIT) is KVPoll.Success
+    assert_buffers(dst, expected_after(dst, before, src, [("state", [2], [5])]))
+
+
+@pytest.mark.parametrize("offsets, match", [
+    ({"kv": -1}, r"pool 'kv' offset must be an int count .* got -1"),
+    ({"kv": True}, r"pool 'kv' offset must be an int count .* got True"),
+    ({"kv": 1.5}, r"pool 'kv' offset must be an int count .* got 1.5"),
+    ({"state": 2}, r"offset for pool 'state', which this Expect names no destinations in"),
+    ([("kv", 1)], r"offsets must be a mapping pool -> entries"),
+])
+def test_bad_offsets_are_refused_before_anything_is_recorded(engines, offsets, match) -> None:
+    prefill, decode, _, _ = engines
+    with pytest.raises(RequestError, match=match):
+        decode.expect("bad", prefill.bootstrap_address, {"kv": TAIL}, offsets=offsets)
+    assert decode.try_poll("bad") is None
+
+
+def test_an_offset_past_what_the_prefill_sends_is_refused_before_a_byte_moves(engines) -> None:
+    prefill, decode, _, dst = engines
+    before = snapshot(dst)
+    decode.expect("over", prefill.bootstrap_address, {"kv": TAIL}, offsets={"kv": 9})
+    until_expected(prefill, "over")
+    with pytest.raises(RequestError, match=r"decode holds the first 9 entries of pool 'kv' "
+                                           r"already .* this prefill sends only 7 in all"):
+        prefill.send("over", {"kv": SRC_KV})
+    assert_buffers(dst, before)  # refused at send(): nothing was posted
+    decode.abort("over")
+
+
+def until_expected(prefill: PrefillEngine, rid: str) -> None:
+    """Block until the decode's Expect reached the prefill (its record waits for input)."""
+    prefill_table = prefill._table  # noqa: SLF001 — a test reads the engine's condition variable
+    with prefill_table.changed:
+        assert prefill_table.changed.wait_for(
+            lambda: prefill_table.find(rid) is not None, WAIT), f"no Expect for {rid!r}"
+
+
+@pytest.mark.parametrize("offsets", [{"kv": -1}, {"kv": 0}, {"kv": True}, {"kv": "3"},
+                                     {"nope": 1}, [1], {"kv": 1 << 41}])
+def test_a_hostile_offsets_field_is_refused(offsets) -> None:
+    with pytest.raises(ProtocolError, match="offset"):
+        check_offsets(offsets, {"kv": np.zeros(1)}, "expect 'x'")
