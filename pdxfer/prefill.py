@@ -55,7 +55,9 @@ from .protocol import (
     Hello,
     LiveRange,
     Ping,
+    Renew,
     check_offsets,
+    check_renew,
     unpack_indices,
 )
 from .requests import RequestOutcome, check_request_id
@@ -243,6 +245,8 @@ class PrefillEngine(DecodePeers, Engine):
         if isinstance(msg, Fenced):
             with self._transition():
                 return self._cut(session, f"decode {session.engine} fenced this prefill", fenced=True)
+        if isinstance(msg, Renew):
+            return self._on_renew(link, msg)
         if not isinstance(msg, (Done, Abort)):
             if not isinstance(msg, Ping):
                 link.refuse(f"a prefill does not accept {type(msg).TYPE!r} messages")
@@ -264,6 +268,19 @@ class PrefillEngine(DecodePeers, Engine):
                             via=session)
             elif session is not None:
                 self._defer(session.link.send, AbortAck(msg.request, msg.xid, True))
+
+    def _on_renew(self, link: ControlConn, msg: Renew) -> None:
+        """The decode still has these queued: renew each sent request's wait for its Expect."""
+        try:
+            rids = check_renew(msg.requests)
+        except ProtocolError as exc:
+            return link.refuse(str(exc))
+        now = time.monotonic()
+        with self._transition():
+            for rid in rids:
+                req = self._table.find(rid)
+                if isinstance(req, PrefillRequest):
+                    self._apply(req, req.life.on_renew(now))
 
     def _on_expect(self, session: DecodePeer, msg: Expect) -> None:
         rid, xid = msg.request, msg.xid

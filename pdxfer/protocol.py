@@ -25,6 +25,9 @@ The conversation:
                                    dead, reconnect before the next post (version 2)
     decode  → prefill   LiveRange  a pool boundary moved: the entries the decode's pools now
                                    hold, sent before any Expect naming a newly live one (v3)
+    decode  → prefill   Renew      request ids the decode has queued (`DecodeEngine.hold`, not
+                                   expected yet): the prefill renews their hold — a sent
+                                   request's wait for its Expect starts again (version 5)
     either  → other     Ping       liveness while idle
 
 `xid` is a transfer id the decode engine picks per `expect`: a request id may
@@ -55,6 +58,8 @@ VERSION = 5  # 2: Fenced; 3: LiveRange; 4: Abort/AbortAck name their `links` (#2
 # Data links an Abort/AbortAck may name: a prefill has one live data link per decode and
 # a few it has just cut; anything longer is refused as malformed.
 MAX_LINKS = 64
+# Request ids one Renew may name: a decode with more held on one prefill sends several.
+MAX_RENEW = 1024
 # A Hello carries every pool's description and every region descriptor; 4 MiB
 # leaves room for hundreds of fields while refusing a garbage length outright.
 MAX_FRAME = 4 << 20
@@ -176,6 +181,20 @@ class LiveRange:
 
 
 @dataclass(frozen=True)
+class Renew:
+    """Decode still has these requests queued (admitted, not yet allocated): keep them.
+
+    One per control link per renewal period, naming every id the decode holds
+    on that prefill (`MAX_RENEW` per message), so renewal costs one message
+    per period per link however many requests wait — and is carried by the
+    decode's progress loop, not a timer per request.
+    """
+
+    TYPE: ClassVar[str] = "renew"
+    requests: list
+
+
+@dataclass(frozen=True)
 class Ping:
     """Liveness on an idle link; any frame counts, this one says nothing else."""
 
@@ -206,7 +225,7 @@ class Landed:
 CONTROL = Protocol(
     "pdxfer-ctl",
     VERSION,
-    [Hello, Welcome, Refuse, Expect, Done, Abort, AbortAck, Fenced, LiveRange, Ping, Landed],
+    [Hello, Welcome, Refuse, Expect, Done, Abort, AbortAck, Fenced, LiveRange, Ping, Landed, Renew],
     max_frame=MAX_FRAME,
 )
 
@@ -251,6 +270,15 @@ def check_offsets(offsets: Any, pools: Any, what: str) -> dict[str, int]:
             raise ProtocolError(f"{what}: offset {k!r:.40} for pool {pool!r:.80} must be an entry "
                                 "count 1..2**40 of a pool the Expect names")
     return offsets
+
+
+def check_renew(requests: Any) -> list[str]:
+    """A Renew's ids as a list, or `ProtocolError`: at most `MAX_RENEW` strs of at most 1024 chars."""
+    if not isinstance(requests, list) or len(requests) > MAX_RENEW or not all(
+            isinstance(rid, str) and 0 < len(rid) <= 1024 for rid in requests):
+        raise ProtocolError(f"renew: requests must be at most {MAX_RENEW} request ids of 1..1024 "
+                            f"characters, got {requests!r:.200}")
+    return requests
 
 
 def check_links(links: Any, what: str) -> list[str]:

@@ -180,3 +180,54 @@ def until_expected(prefill: PrefillEngine, rid: str) -> None:
 def test_a_hostile_offsets_field_is_refused(offsets) -> None:
     with pytest.raises(ProtocolError, match="offset"):
         check_offsets(offsets, {"kv": np.zeros(1)}, "expect 'x'")
+
+
+# -- 3. a decode renews the prefill's hold on a request it has queued ---------------------------
+HOLD = 2.0  # the prefill's request_timeout here
+
+
+@pytest.fixture(params=BACKENDS)
+def holding(request):
+    """A prefill whose sent requests wait HOLD s for their Expect; a decode renewing a few
+    times within that (its renew_period derives from its own, shorter request_timeout)."""
+    src = build_pools(512, 64, seed=1)
+    dst = build_pools(1024, 256, seed=2)
+    prefill = PrefillEngine(src, config(request.param, request_timeout=HOLD))
+    decode = DecodeEngine(dst, config(request.param, request_timeout=0.6))
+    try:
+        yield prefill, decode, src, dst
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_held_request_outlives_the_prefills_request_timeout(holding) -> None:
+    prefill, decode, src, dst = holding
+    assert decode.renew_period == pytest.approx(0.2)
+    prefill.send("queued", {"kv": [5, 6]})
+    decode.hold("queued", prefill.bootstrap_address)
+    # Three of the prefill's request_timeouts pass: still waiting for its Expect, not Failed.
+    # (Without the renewal it fails "no decode expected it within 2.0 s" in the first.)
+    with pytest.raises(TransferTimeout):
+        prefill.wait("queued", 3 * HOLD)
+    assert prefill.poll("queued") is KVPoll.Bootstrapping
+    decode.expect("queued", prefill.bootstrap_address, {"kv": [30, 31]})  # allocated at last
+    assert decode.wait("queued", WAIT) is KVPoll.Success
+    assert entries_crc(dst, "kv", [30, 31]) == entries_crc(src, "kv", [5, 6])
+    assert decode.unhold("queued") is False  # the expect ended the hold
+
+
+def test_an_unheld_request_times_out_on_the_prefill(holding) -> None:
+    prefill, decode, _, _ = holding
+    decode.hold("dropped", prefill.bootstrap_address)
+    prefill.send("dropped", {"kv": [1]})
+    assert decode.unhold("dropped") is True  # the decode's scheduler dropped it
+    with pytest.raises(RequestFailed, match=r"no decode expected it within 2.0 s"):
+        prefill.wait("dropped", WAIT)
+
+
+@pytest.mark.parametrize("requests", [None, "r", [1], [""], ["x" * 1025], ["r"] * 1025])
+def test_a_hostile_renew_is_refused(requests) -> None:
+    from pdxfer.protocol import check_renew
+    with pytest.raises(ProtocolError, match="renew: requests must be"):
+        check_renew(requests)
