@@ -14,6 +14,7 @@ next is its `lifecycle.PrefillLife`'s business, not theirs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -215,6 +216,8 @@ def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], l
     """Post the chunk's transfers, each carrying its `Landed` notify; raises `TransportError`."""
     number = req.next_chunk
     req.next_chunk += 1
+    if req.wire_from is None:
+        req.wire_from = time.monotonic()
     total = len(parts)
     req.links.add(conn.incarnation or "")
     for i, (region, remote, table) in enumerate(parts):
@@ -228,6 +231,13 @@ def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], l
         req.transfers += 1
 
 
+def note_wire_end(req: PrefillRequest) -> None:
+    """Before dropping its handles: the request's wire time ends at its last completion."""
+    if req.handles:
+        ends = [getattr(h, "done_at", None) for h in req.handles]
+        req.wire_to = max((t for t in ends if t is not None), default=time.monotonic())
+
+
 def transfer_error(req: PrefillRequest) -> TransportError | None:
     """The first failed transfer's error; drops the handles once every one completed."""
     if not req.handles:
@@ -237,6 +247,7 @@ def transfer_error(req: PrefillRequest) -> TransportError | None:
         for h in req.handles:
             running = not h.poll() or running
         if not running:
+            note_wire_end(req)
             req.handles = []
     except TransportError as exc:
         return exc

@@ -385,6 +385,9 @@ class DecodeEngine(Engine):
                         or req.session is None or req.session.engine != sender):
                     continue  # stale (an earlier use of the id) or not from its prefill
                 if req.life.phase in (DPhase.EXPECTED, DPhase.RECEIVING):
+                    if req.wire_from is None:
+                        req.wire_from = now
+                    req.wire_to = now
                     req.nbytes += msg.nbytes
                     req.segments += msg.segments
                     req.transfers += 1

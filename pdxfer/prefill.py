@@ -35,6 +35,7 @@ from .chunks import (
     PrefillRequest,
     chunk_indices,
     closed_links,
+    note_wire_end,
     plan_chunk,
     post_parts,
     transfer_error,
@@ -261,6 +262,7 @@ class PrefillEngine(DecodePeers, Engine):
                     and req.life.xid == msg.xid and req.session is session)
             if isinstance(msg, Done):
                 if ours:
+                    note_wire_end(req)
                     req.handles = []  # decode saw every notify: every byte is in its memory
                     self._apply(req, req.life.on_done())
             elif ours or (isinstance(req, PrefillRequest) and not req.life.expected):

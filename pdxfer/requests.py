@@ -60,7 +60,7 @@ class Request:
     """What both sides track about one request. Mutated only under the table's lock."""
 
     __slots__ = ("ended", "error", "id", "life", "nbytes", "peer", "reason", "segments",
-                 "started", "state", "transfers")
+                 "started", "state", "transfers", "wire_from", "wire_to")
 
     def __init__(self, request_id: str, life: Any) -> None:
         self.id = request_id
@@ -74,14 +74,21 @@ class Request:
         self.segments = 0
         self.transfers = 0
         self.peer: str | None = None  # the session key of the other side, once known
+        # The wire time's ends (`RequestStats.wire_s`), set by the drivers; None until then.
+        self.wire_from: float | None = None
+        self.wire_to: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.state in (KVPoll.Success, KVPoll.Failed)
 
     def stats(self) -> RequestStats:
-        end = self.ended if self.ended is not None else time.monotonic()
-        return RequestStats(self.nbytes, self.segments, self.transfers, end - self.started)
+        now = time.monotonic()
+        end = self.ended if self.ended is not None else now
+        wire = 0.0
+        if self.wire_from is not None:
+            wire = max(0.0, (self.wire_to if self.wire_to is not None else end) - self.wire_from)
+        return RequestStats(self.nbytes, self.segments, self.transfers, end - self.started, wire)
 
     def outcome(self) -> RequestOutcome:
         return RequestOutcome(self.state, self.reason, self.error, self.stats())

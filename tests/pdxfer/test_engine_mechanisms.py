@@ -231,3 +231,23 @@ def test_a_hostile_renew_is_refused(requests) -> None:
     from pdxfer.protocol import check_renew
     with pytest.raises(ProtocolError, match="renew: requests must be"):
         check_renew(requests)
+
+
+# -- 4. wire time, apart from end-to-end ----------------------------------------------------------
+GAP = 0.3  # how long the request waits before its data is posted: end-to-end, not wire
+
+
+def test_wire_time_excludes_the_wait_before_the_first_write(engines) -> None:
+    prefill, decode, _, _ = engines
+    decode.expect("w", prefill.bootstrap_address, {"kv": list(range(300, 364)), "state": [1]})
+    with pytest.raises(TransferTimeout):  # at least GAP passes before the prefill sends
+        decode.wait("w", GAP)
+    prefill.send("w", {"kv": list(range(64)), "state": [4]})
+    assert decode.wait("w", WAIT) is KVPoll.Success
+    assert prefill.wait("w", WAIT) is KVPoll.Success
+    d, p = decode.stats("w"), prefill.stats("w")
+    assert d.transfers == 2  # the decode's span runs from the first landed transfer to the last
+    assert 0.0 <= d.wire_s and d.elapsed_s - d.wire_s >= GAP
+    # The prefill's: first write posted to last write complete, within its send-to-Done.
+    assert 0.0 < p.wire_s <= p.elapsed_s
+    assert prefill.stats("w").wire_s == p.wire_s  # finished: it no longer grows
