@@ -251,3 +251,15 @@ def test_wire_time_excludes_the_wait_before_the_first_write(engines) -> None:
     # The prefill's: first write posted to last write complete, within its send-to-Done.
     assert 0.0 < p.wire_s <= p.elapsed_s
     assert prefill.stats("w").wire_s == p.wire_s  # finished: it no longer grows
+
+
+def test_renew_restarts_only_a_sent_requests_wait_for_its_expect() -> None:
+    """The transition alone, on a scripted clock: QUEUED and sent -> deadline moves; else not."""
+    from pdxfer.lifecycle import PrefillLife, Timing
+    life = PrefillLife("r", Timing(wait=2.0, grace=0.3), now=0.0, local=True)
+    assert life.on_renew(1.5) == [] and life.deadline == 3.5
+    assert life.on_renew(1.0) == [] and life.deadline == 3.5  # never earlier
+    assert life.on_tick(3.4, False) == [] and life.on_tick(3.6, False)  # times out from there
+    unsent = PrefillLife("u", Timing(wait=2.0, grace=0.3), now=0.0, local=False)
+    unsent.on_renew(1.0)
+    assert unsent.deadline == float("inf")  # only the decode knows it: nothing to renew
