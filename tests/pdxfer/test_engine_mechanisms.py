@@ -68,9 +68,22 @@ def test_expect_after_release_fails_at_once_with_the_reason(engines) -> None:
     assert prefill.usage()["requests"] == 0
 
 
-def test_a_send_after_the_release_is_a_new_use_of_the_id(engines) -> None:
-    prefill, decode, src, dst = engines
-    _timed_out_and_released(prefill, "again", [1, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_send_after_the_release_is_a_new_use_of_the_id(backend) -> None:
+    """Its own prefill, with a request_timeout long enough for a first handshake under load:
+    the first use is aborted (never expected, so marked as released), the second is new."""
+    src, dst = build_pools(512, 64, seed=1), build_pools(1024, 256, seed=2)
+    with PrefillEngine(src, config(backend, request_timeout=WAIT)) as prefill, \
+            DecodeEngine(dst, config(backend, request_timeout=WAIT)) as decode:
+        _reused(prefill, decode, src, dst)
+
+
+def _reused(prefill: PrefillEngine, decode: DecodeEngine, src: dict, dst: dict) -> None:
+    prefill.send("again", {"kv": [1, 2]})
+    prefill.abort("again")
+    with pytest.raises(RequestFailed, match="aborted by prefill"):
+        prefill.wait("again", WAIT)
+    prefill.release("again")
     prefill.send("again", {"kv": [4, 5]})  # the caller reuses the id: the mark is cleared
     decode.expect("again", prefill.bootstrap_address, {"kv": [10, 11]})
     assert decode.wait("again", WAIT) is KVPoll.Success
@@ -204,8 +217,12 @@ def holding(request):
 def test_a_held_request_outlives_the_prefills_request_timeout(holding) -> None:
     prefill, decode, src, dst = holding
     assert decode.renew_period == pytest.approx(0.2)
-    prefill.send("queued", {"kv": [5, 6]})
+    # The link first (a request through it): the handshake is not what this test times.
+    decode.expect("warm", prefill.bootstrap_address, {"kv": [40]})
+    prefill.send("warm", {"kv": [1]})
+    assert decode.wait("warm", WAIT) is KVPoll.Success
     decode.hold("queued", prefill.bootstrap_address)
+    prefill.send("queued", {"kv": [5, 6]})
     # Three of the prefill's request_timeouts pass: still waiting for its Expect, not Failed.
     # (Without the renewal it fails "no decode expected it within 2.0 s" in the first.)
     with pytest.raises(TransferTimeout):
