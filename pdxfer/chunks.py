@@ -14,6 +14,7 @@ next is its `lifecycle.PrefillLife`'s business, not theirs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,13 +51,16 @@ class Chunk:
 class PrefillRequest(Request):
     """A request as the prefill tracks it: the decode's destinations, cursors, posted handles."""
 
-    __slots__ = ("cursor", "dst", "handles", "links", "next_chunk", "session", "sources")
+    __slots__ = ("cursor", "dst", "handles", "links", "next_chunk", "session", "skip", "sources")
 
     def __init__(self, request_id: str, life: PrefillLife) -> None:
         super().__init__(request_id, life)
         self.session: DecodePeer | None = None
         self.dst: dict[str, np.ndarray] | None = None  # from the decode's Expect
         self.cursor: dict[str, int] = {}
+        # Per pool, how many of the entries sent are still to be skipped: the decode holds
+        # them already (a tail-only Expect's `offsets`); counted down across chunks.
+        self.skip: dict[str, int] = {}
         self.next_chunk = 0
         self.handles: list[Any] = []
         self.sources: list[dict[str, np.ndarray]] = []  # every accepted chunk's, until finished
@@ -151,10 +155,14 @@ def plan_chunk(req: PrefillRequest, chunk: Chunk, pools: PoolSet) -> list[tuple[
     `LayoutError`) leaves the request exactly as it was.
     """
     session = req.session
-    dst, cursor = req.dst, req.cursor
+    dst, cursor, skip = req.dst, req.cursor, req.skip
     assert session is not None and dst is not None
-    moves = []
+    moves, skipped = [], {}
     for pool, src in chunk.indices.items():
+        k = skip.get(pool, 0)
+        if k:  # the decode holds these already (a tail-only Expect): ship what follows them
+            skipped[pool] = min(k, len(src))
+            src = src[skipped[pool]:]
         n = len(src)
         have = dst.get(pool)
         if have is None:
@@ -174,7 +182,15 @@ def plan_chunk(req: PrefillRequest, chunk: Chunk, pools: PoolSet) -> list[tuple[
             moves.append((pool, src, have[start:start + n]))
     if chunk.last:
         for pool, have in dst.items():
-            sent = cursor[pool] + len(chunk.indices.get(pool, ()))
+            short = skip.get(pool, 0) - skipped.get(pool, 0)
+            if short:
+                raise RequestError(
+                    f"request {req.id!r}: the decode holds the first {skip[pool]} entries of "
+                    f"pool {pool!r} already (its Expect's offset), but this prefill sends only "
+                    f"{skip[pool] - short} in all; a bad offset — have the decode expect the "
+                    "whole tail with a smaller offset"
+                )
+            sent = cursor[pool] + len(chunk.indices.get(pool, ())) - skipped.get(pool, 0)
             if sent != len(have):
                 raise RequestError(
                     f"request {req.id!r}: the last chunk leaves pool {pool!r} with "
@@ -188,6 +204,8 @@ def plan_chunk(req: PrefillRequest, chunk: Chunk, pools: PoolSet) -> list[tuple[
         parts += session.routes[pool].plan(src, d, chunk.checkpoint)
     for pool, src, _ in moves:
         cursor[pool] += len(src)
+    for pool, k in skipped.items():
+        skip[pool] -= k
     if not parts:
         parts = [session.empty]
     return parts
@@ -198,6 +216,8 @@ def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], l
     """Post the chunk's transfers, each carrying its `Landed` notify; raises `TransportError`."""
     number = req.next_chunk
     req.next_chunk += 1
+    if req.wire_from is None:
+        req.wire_from = time.monotonic()
     total = len(parts)
     req.links.add(conn.incarnation or "")
     for i, (region, remote, table) in enumerate(parts):
@@ -211,6 +231,13 @@ def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], l
         req.transfers += 1
 
 
+def note_wire_end(req: PrefillRequest) -> None:
+    """Before dropping its handles: the request's wire time ends at its last completion."""
+    if req.handles:
+        ends = [getattr(h, "done_at", None) for h in req.handles]
+        req.wire_to = max((t for t in ends if t is not None), default=time.monotonic())
+
+
 def transfer_error(req: PrefillRequest) -> TransportError | None:
     """The first failed transfer's error; drops the handles once every one completed."""
     if not req.handles:
@@ -220,6 +247,7 @@ def transfer_error(req: PrefillRequest) -> TransportError | None:
         for h in req.handles:
             running = not h.poll() or running
         if not running:
+            note_wire_end(req)
             req.handles = []
     except TransportError as exc:
         return exc

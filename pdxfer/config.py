@@ -191,9 +191,17 @@ class RequestStats:
     On the decode side the counts come from the prefill's notify payloads —
     decode posts nothing itself — so both sides report the same numbers.
     `elapsed_s` runs from `send`/`expect` to the finish (or to now if running).
+
+    `wire_s` is the time on the wire alone, apart from queueing and
+    handshakes: on the prefill (which posts), from its first write posted to
+    its last write complete in the decode's memory (the transport's
+    completion time, not when a poll saw it); on the decode, which sees only
+    arrivals, from its first transfer landed to its last (so 0 for a
+    one-transfer request). 0 until a write was posted / landed.
     """
 
     nbytes: int
     segments: int
     transfers: int
     elapsed_s: float
+    wire_s: float = 0.0

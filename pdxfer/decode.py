@@ -57,12 +57,14 @@ from .handshake import record_mismatch, welcome_mismatch, why_lost
 from .lifecycle import DecodeLife, DPhase, Fence, Finish, Quarantine, Send, Timing
 from .pools import layout_error
 from .protocol import (
+    MAX_RENEW,
     Abort,
     AbortAck,
     Fenced,
     Hello,
     Ping,
     Refuse,
+    Renew,
     Welcome,
     check_links,
     decode_notify,
@@ -91,6 +93,10 @@ class DecodeEngine(Engine):
         self._due: list[tuple[float, int, DecodeRequest]] = []
         self._due_seq = itertools.count()
         self._settling: dict[int, DecodeRequest] = {}
+        # Requests queued here and not expected yet, whose prefill's hold we renew
+        # (`hold`): id -> prefill address; and when the next Renew goes out. Table lock.
+        self._holds: dict[str, str] = {}
+        self._renew_at = 0.0
         # A `pdxfer.directory.PeerDirectory` (or anything with its resolve /
         # layout / subscribe): re-resolves a stale record, describes a
         # prefill's pools before dialing, and says when a prefill was replaced.
@@ -120,7 +126,8 @@ class DecodeEngine(Engine):
             self._unsubscribe = directory.subscribe(self._on_directory)
 
     # -- the public calls ---------------------------------------------------------
-    def expect(self, request_id: str, prefill: str | PeerRecord, indices: Mapping[str, Any]) -> None:
+    def expect(self, request_id: str, prefill: str | PeerRecord, indices: Mapping[str, Any], *,
+               offsets: Mapping[str, int] | None = None) -> None:
         """Announce a request and the destination entries (per pool) its cache goes to.
 
         `prefill` is the prefill's bootstrap address, or its directory record
@@ -130,21 +137,80 @@ class DecodeEngine(Engine):
         Validates the id and every index up front (`LayoutError`, `RequestError`);
         a duplicate id is refused. Returns at once: the handshake, if this is
         the first request to that prefill, runs in the background.
+
+        `offsets` (a tail-only Expect, a decode prefix hit): `{pool: k}` — this
+        decode already holds the first k entries of what the prefill sends in
+        `pool`; `indices[pool]` names destinations for the entries after them
+        only, the prefill ships only those, and Success means every one of
+        them landed (the held prefix entries are never written).
         """
         rid = check_request_id(request_id)
         record = self.check_prefill(prefill)
         xid = next(self._xids)
         gen = self._pools.generation
-        dst, msg = expect_message(self._pools, rid, xid, indices)
+        dst, msg = expect_message(self._pools, rid, xid, indices, offsets)
         with self._lock:
             self._check_open()
             if self._pools.generation != gen:  # a resize ran meanwhile: check its live ranges
-                dst, msg = expect_message(self._pools, rid, xid, indices)
+                dst, msg = expect_message(self._pools, rid, xid, indices, offsets)
             life = DecodeLife(rid, xid, msg, self._timing, self._progress.clock.now(), fence=self._can_fence)
             req = DecodeRequest(rid, life, dst, record)
             self._table.add(req)
+            self._holds.pop(rid, None)  # expected now: its Expect takes over the prefill's wait
             self._schedule(req)
         self._progress.call(self._start, req)
+
+    def hold(self, request_id: str, prefill: str | PeerRecord) -> None:
+        """Keep the prefill's hold on a request this decode has queued but cannot expect yet.
+
+        For a request admitted and waiting for destination entries (a
+        scheduler queue, memory pressure): until `expect()` (or `unhold()`)
+        for the id, this decode renews it on the prefill every
+        `renew_period` s — one `Renew` per prefill link carrying every held
+        id, sent by the progress loop — so a request the prefill already sent
+        does not fail its `request_timeout` wait for the Expect. Dials the
+        prefill if no link to it exists. Idempotent; returns at once.
+        """
+        rid = check_request_id(request_id)
+        record = self.check_prefill(prefill)
+        with self._lock:
+            self._check_open()
+            self._holds[rid] = record.address
+            self._renew_at = 0.0  # the next tick renews: the prefill may be close to its limit
+        self._progress.kick()
+
+    def unhold(self, request_id: str) -> bool:
+        """Stop renewing a held request (the scheduler dropped it); False if it was not held."""
+        rid = check_request_id(request_id)
+        with self._lock:
+            return self._holds.pop(rid, None) is not None
+
+    @property
+    def renew_period(self) -> float:
+        """Seconds between renewals of held requests: a third of the request wait, at most a
+        heartbeat — several renewals land within any prefill whose request_timeout is ours."""
+        return min(self.config.heartbeat, self.config.request_wait / 3)
+
+    def _renew(self, now: float) -> float:
+        """Progress thread: send the held ids to their prefills if due; seconds until next due."""
+        with self._lock:
+            if not self._holds:
+                return math.inf
+            if now < self._renew_at:
+                return self._renew_at - now
+            self._renew_at = now + self.renew_period
+            by_addr: dict[str, list[str]] = {}
+            for rid, addr in self._holds.items():
+                by_addr.setdefault(addr, []).append(rid)
+        for addr, rids in by_addr.items():
+            session = self._sessions.get(addr)
+            if session is None:  # no link yet: open one; the next period renews through it
+                self._dials.dial(addr, None)
+                continue
+            if session.ready and session.link is not None and not session.link.closed:
+                for i in range(0, len(rids), MAX_RENEW):
+                    session.link.send(Renew(rids[i:i + MAX_RENEW]))
+        return self.renew_period
 
     def check_prefill(self, prefill: str | PeerRecord) -> PeerRecord:
         """`prefill` as a record, refused (`LayoutMismatchError`) if its pools cannot match ours.
@@ -319,6 +385,9 @@ class DecodeEngine(Engine):
                         or req.session is None or req.session.engine != sender):
                     continue  # stale (an earlier use of the id) or not from its prefill
                 if req.life.phase in (DPhase.EXPECTED, DPhase.RECEIVING):
+                    if req.wire_from is None:
+                        req.wire_from = now
+                    req.wire_to = now
                     req.nbytes += msg.nbytes
                     req.segments += msg.segments
                     req.transfers += 1
@@ -543,8 +612,9 @@ class DecodeEngine(Engine):
         close += self._watch([s.link for s in self._sessions.values() if s.link is not None], now,
                              lambda link: not link.connecting)
         self._close_links(close)
+        renew = self._renew(now)
         # Asking the transport is polling: 5 ms while something waits on it; else the next deadline.
-        return 0.005 if settling or orphans else min(0.1, cfg.heartbeat / 2, wake, due)
+        return 0.005 if settling or orphans else min(0.1, cfg.heartbeat / 2, wake, due, renew)
 
     # -- close ----------------------------------------------------------------
     def _shutdown(self) -> None:

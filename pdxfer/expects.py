@@ -82,11 +82,42 @@ class PrefillPeer:
         self.requests: set[str] = set()  # Expect sent, not yet finished
 
 
-def expect_message(pools: PoolSet, rid: str, xid: int, indices: Mapping[str, Any]
+def expect_message(pools: PoolSet, rid: str, xid: int, indices: Mapping[str, Any],
+                   offsets: Mapping[str, Any] | None = None
                    ) -> tuple[dict[str, np.ndarray], Expect]:
     """`(destinations per pool, the Expect to send)`, or the refusal naming what was wrong."""
     dst = expect_destinations(pools.arenas, rid, indices)
-    return dst, Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()})
+    skip = expect_offsets(dst, rid, offsets)
+    return dst, Expect(rid, xid, {p: pack_indices(a) for p, a in dst.items()}, skip)
+
+
+def expect_offsets(dst: Mapping[str, np.ndarray], rid: str, offsets: Mapping[str, Any] | None
+                   ) -> dict[str, int]:
+    """A tail-only Expect's entry offsets, checked: `{pool: k}` for each k > 0.
+
+    `offsets[pool] = k`: the decode already holds (from its prefix cache) the
+    first k entries of what the prefill sends in `pool`, and `indices[pool]`
+    names the destinations of the entries after them only. Refused by name
+    (`RequestError`) before anything is recorded or sent: a pool the Expect
+    does not name, a count that is not an int >= 0.
+    """
+    if offsets is None:
+        return {}
+    if not isinstance(offsets, Mapping):
+        raise RequestError(f"expect({rid!r}): offsets must be a mapping pool -> entries the "
+                           f"decode already holds, got {type(offsets).__name__}")
+    out = {}
+    for pool, k in offsets.items():
+        if pool not in dst:
+            raise RequestError(f"expect({rid!r}): offset for pool {pool!r}, which this Expect "
+                               f"names no destinations in (pools: {sorted(dst)}); name its tail "
+                               "(possibly empty) in indices, or drop the offset")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= MAX_INDICES << 8:
+            raise RequestError(f"expect({rid!r}): pool {pool!r} offset must be an int count of "
+                               f"entries the decode already holds, 0..{MAX_INDICES << 8}, got {k!r:.40}")
+        if k:
+            out[pool] = int(k)
+    return out
 
 
 def expect_destinations(arenas: Mapping[str, Any], rid: str, indices: Mapping[str, Any]

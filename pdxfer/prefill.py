@@ -34,6 +34,7 @@ from .chunks import (
     PrefillRequest,
     chunk_indices,
     closed_links,
+    note_wire_end,
     plan_chunk,
     post_parts,
     transfer_error,
@@ -55,11 +56,27 @@ from .protocol import (
     Hello,
     LiveRange,
     Ping,
+    Renew,
+    check_offsets,
+    check_renew,
     unpack_indices,
 )
 from .requests import RequestOutcome, check_request_id
 from .resizing import apply_live_range
 from .session import ControlConn, format_address, listen
+
+
+def _never_expected(req: Any) -> bool:
+    """`release(keep=)`: a local request no decode's Expect had reached (its decode may come late)."""
+    return isinstance(req, PrefillRequest) and req.life.local and not req.life.expected
+
+
+def released_reason(rid: str, gone: RequestOutcome) -> str:
+    """What a decode whose Expect came after the prefill released the request is told."""
+    how = gone.state.name + (f": {gone.reason}" if gone.reason else "")
+    return (f"prefill already released request {rid!r} ({how}) before this decode's Expect "
+            "arrived; its KV is gone — recompute it, or raise the prefill's request_timeout "
+            "(or renew its hold with DecodeEngine.hold) so it waits for this decode")
 
 
 class PrefillEngine(Engine):
@@ -120,6 +137,7 @@ class PrefillEngine(Engine):
                     checked = True
                 req = PrefillRequest(rid, PrefillLife(rid, self._timing, now, local=True))
                 self._table.tombstones.pop(rid)
+                self._table.released.pop(rid)  # a new use of a released id: expected anew
                 self._table.add(req)
                 if tomb is not None:  # the decode gave up on it before the caller got here
                     return self._apply(req, req.life.on_abort(tomb.reason or "failed", now, False))
@@ -143,6 +161,18 @@ class PrefillEngine(Engine):
         in them may change under the reader.
         """
         return list(self._sessions.values())
+
+    def release(self, request_id: str) -> RequestOutcome:
+        """Forget a finished request; an Expect for it that arrives later fails at once.
+
+        Only a request no decode had expected yet is remembered so (bounded,
+        `requests.Tombstones`): its decode may still be queued, and its Expect
+        would otherwise be taken as a new use of the id and fail one
+        `request_timeout` later (#30.5, #31.3). A `send()` of the id starts a
+        new use and clears the mark; an Expect for a reused id must therefore
+        come after that `send()`, or the id be fresh.
+        """
+        return self._table.release(check_request_id(request_id), keep=_never_expected)
 
     def _check_sources(self, chunk: Chunk) -> None:
         """Refuse source indices outside their pools: what a queued chunk is checked by."""
@@ -222,6 +252,8 @@ class PrefillEngine(Engine):
         if isinstance(msg, Fenced):
             with self._transition():
                 return self._peers.cut(session, f"decode {session.engine} fenced this prefill", fenced=True)
+        if isinstance(msg, Renew):
+            return self._on_renew(link, msg)
         if not isinstance(msg, (Done, Abort)):
             if not isinstance(msg, Ping):
                 link.refuse(f"a prefill does not accept {type(msg).TYPE!r} messages")
@@ -236,6 +268,7 @@ class PrefillEngine(Engine):
                     and req.life.xid == msg.xid and req.session is session)
             if isinstance(msg, Done):
                 if ours:
+                    note_wire_end(req)
                     req.handles = []  # decode saw every notify: every byte is in its memory
                     self._apply(req, req.life.on_done())
             elif ours or (isinstance(req, PrefillRequest) and not req.life.expected):
@@ -244,12 +277,26 @@ class PrefillEngine(Engine):
             elif session is not None:
                 self._defer(session.link.send, AbortAck(msg.request, msg.xid, True))
 
+    def _on_renew(self, link: ControlConn, msg: Renew) -> None:
+        """The decode still has these queued: renew each sent request's wait for its Expect."""
+        try:
+            rids = check_renew(msg.requests)
+        except ProtocolError as exc:
+            return link.refuse(str(exc))
+        now = self._progress.clock.now()
+        with self._transition():
+            for rid in rids:
+                req = self._table.find(rid)
+                if isinstance(req, PrefillRequest):
+                    self._apply(req, req.life.on_renew(now))
+
     def _on_expect(self, session: DecodePeer, msg: Expect) -> None:
         rid, xid = msg.request, msg.xid
         try:
             check_request_id(rid)
             dst = {pool: unpack_indices(raw, f"expect {rid!r:.80} pool {pool!r}")
                    for pool, raw in msg.indices.items()}
+            skip = dict(check_offsets(msg.offsets, dst, f"expect {rid!r:.80}"))
         except (ProtocolError, RequestError) as exc:
             return session.link.refuse(str(exc))
         unknown = sorted(p for p in dst if p not in self._pools.arenas)
@@ -258,8 +305,11 @@ class PrefillEngine(Engine):
             if unknown or self._closed:
                 why = f"prefill has no pool(s) {unknown}" if unknown else "prefill engine closing"
                 return self._defer(session.link.send, Abort(rid, xid, why, False))
-            self._table.tombstones.pop(rid)  # a new use of the id
             req = self._table.find(rid)
+            gone = self._table.released.get(rid) if req is None else None
+            if gone is not None:  # a late Expect: the caller released it unexpected
+                return self._defer(session.link.send, Abort(rid, xid, released_reason(rid, gone), False))
+            self._table.tombstones.pop(rid)  # a new use of the id
             if req is None:
                 req = PrefillRequest(rid, PrefillLife(rid, self._timing, now, local=False))
                 self._table.add(req)
@@ -267,6 +317,7 @@ class PrefillEngine(Engine):
             if not life.expected and not life.finished:
                 req.session, req.peer, req.dst = session, session.engine, dst
                 req.cursor = dict.fromkeys(dst, 0)
+                req.skip = skip
                 session.requests.add(rid)
             self._apply(req, life.on_expect(xid, session.ready, now, bool(unfinished(req.handles))),
                         via=session)

@@ -10,7 +10,10 @@ The conversation:
 
     decode  → prefill   Hello      engine id, transport address, pools (described), regions
     prefill → decode    Welcome    engine id, pools (described)        — or Refuse(reason)
-    decode  → prefill   Expect     request id, transfer id, destination indices per pool
+    decode  → prefill   Expect     request id, transfer id, destination indices per pool;
+                                   `offsets`: per pool, the leading entries of what the prefill
+                                   sends that the decode already holds (a prefix hit): the
+                                   destinations name only the tail after them (version 5)
     prefill → decode    (data)     one transfer per pool, each carrying a `Landed` notify
     decode  → prefill   Done       every part of every chunk through the last has landed
     either  → other     Abort      request failed/aborted here; `fence` = bytes may still fly
@@ -22,6 +25,9 @@ The conversation:
                                    dead, reconnect before the next post (version 2)
     decode  → prefill   LiveRange  a pool boundary moved: the entries the decode's pools now
                                    hold, sent before any Expect naming a newly live one (v3)
+    decode  → prefill   Renew      request ids the decode has queued (`DecodeEngine.hold`, not
+                                   expected yet): the prefill renews their hold — a sent
+                                   request's wait for its Expect starts again (version 5)
     either  → other     Ping       liveness while idle
 
 `xid` is a transfer id the decode engine picks per `expect`: a request id may
@@ -47,10 +53,13 @@ import numpy as np
 from pdxfer.transport.errors import ProtocolError
 from pdxfer.transport.wire import LENGTH, Protocol
 
-VERSION = 4  # 2: Fenced; 3: LiveRange; 4: Abort/AbortAck name their `links` (#25.1)
+VERSION = 5  # 2: Fenced; 3: LiveRange; 4: Abort/AbortAck name their `links` (#25.1);
+# 5: Expect.offsets (tail-only Expect) and Renew (a decode keeps a prefill's hold, #30, #31)
 # Data links an Abort/AbortAck may name: a prefill has one live data link per decode and
 # a few it has just cut; anything longer is refused as malformed.
 MAX_LINKS = 64
+# Request ids one Renew may name: a decode with more held on one prefill sends several.
+MAX_RENEW = 1024
 # A Hello carries every pool's description and every region descriptor; 4 MiB
 # leaves room for hundreds of fields while refusing a garbage length outright.
 MAX_FRAME = 4 << 20
@@ -97,6 +106,7 @@ class Expect:
     request: str
     xid: int
     indices: dict  # pool -> pack_indices(dst)
+    offsets: dict = field(default_factory=dict)  # pool -> entries skipped (`check_offsets`)
 
 
 @dataclass(frozen=True)
@@ -171,6 +181,20 @@ class LiveRange:
 
 
 @dataclass(frozen=True)
+class Renew:
+    """Decode still has these requests queued (admitted, not yet allocated): keep them.
+
+    One per control link per renewal period, naming every id the decode holds
+    on that prefill (`MAX_RENEW` per message), so renewal costs one message
+    per period per link however many requests wait — and is carried by the
+    decode's progress loop, not a timer per request.
+    """
+
+    TYPE: ClassVar[str] = "renew"
+    requests: list
+
+
+@dataclass(frozen=True)
 class Ping:
     """Liveness on an idle link; any frame counts, this one says nothing else."""
 
@@ -201,7 +225,7 @@ class Landed:
 CONTROL = Protocol(
     "pdxfer-ctl",
     VERSION,
-    [Hello, Welcome, Refuse, Expect, Done, Abort, AbortAck, Fenced, LiveRange, Ping, Landed],
+    [Hello, Welcome, Refuse, Expect, Done, Abort, AbortAck, Fenced, LiveRange, Ping, Landed, Renew],
     max_frame=MAX_FRAME,
 )
 
@@ -230,6 +254,31 @@ def unpack_indices(raw: Any, what: str) -> np.ndarray:
         size = len(raw) if isinstance(raw, bytes) else type(raw).__name__
         raise ProtocolError(f"{what}: indices must be int64 bytes (a multiple of 8), got {size}")
     return np.frombuffer(raw, dtype="<i8").astype(np.int64)
+
+
+def check_offsets(offsets: Any, pools: Any, what: str) -> dict[str, int]:
+    """An Expect's `offsets` as `{pool: entries >= 1}`, or `ProtocolError` naming `what`.
+
+    Each pool must be one the Expect names destinations in (`pools`); a
+    count is an int in 1..2**40 (0 is sent as absent; bool is refused).
+    """
+    if not isinstance(offsets, dict) or len(offsets) > len(pools):
+        raise ProtocolError(f"{what}: offsets must be a map of at most {len(pools)} pools, "
+                            f"got {offsets!r:.200}")
+    for pool, k in offsets.items():
+        if pool not in pools or isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= 1 << 40:
+            raise ProtocolError(f"{what}: offset {k!r:.40} for pool {pool!r:.80} must be an entry "
+                                "count 1..2**40 of a pool the Expect names")
+    return offsets
+
+
+def check_renew(requests: Any) -> list[str]:
+    """A Renew's ids as a list, or `ProtocolError`: at most `MAX_RENEW` strs of at most 1024 chars."""
+    if not isinstance(requests, list) or len(requests) > MAX_RENEW or not all(
+            isinstance(rid, str) and 0 < len(rid) <= 1024 for rid in requests):
+        raise ProtocolError(f"renew: requests must be at most {MAX_RENEW} request ids of 1..1024 "
+                            f"characters, got {requests!r:.200}")
+    return requests
 
 
 def check_links(links: Any, what: str) -> list[str]:

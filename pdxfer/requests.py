@@ -60,7 +60,7 @@ class Request:
     """What both sides track about one request. Mutated only under the table's lock."""
 
     __slots__ = ("ended", "error", "id", "life", "nbytes", "peer", "reason", "segments",
-                 "started", "state", "transfers")
+                 "started", "state", "transfers", "wire_from", "wire_to")
 
     def __init__(self, request_id: str, life: Any) -> None:
         self.id = request_id
@@ -74,14 +74,21 @@ class Request:
         self.segments = 0
         self.transfers = 0
         self.peer: str | None = None  # the session key of the other side, once known
+        # The wire time's ends (`RequestStats.wire_s`), set by the drivers; None until then.
+        self.wire_from: float | None = None
+        self.wire_to: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.state in (KVPoll.Success, KVPoll.Failed)
 
     def stats(self) -> RequestStats:
-        end = self.ended if self.ended is not None else time.monotonic()
-        return RequestStats(self.nbytes, self.segments, self.transfers, end - self.started)
+        now = time.monotonic()
+        end = self.ended if self.ended is not None else now
+        wire = 0.0
+        if self.wire_from is not None:
+            wire = max(0.0, (self.wire_to if self.wire_to is not None else end) - self.wire_from)
+        return RequestStats(self.nbytes, self.segments, self.transfers, end - self.started, wire)
 
     def outcome(self) -> RequestOutcome:
         return RequestOutcome(self.state, self.reason, self.error, self.stats())
@@ -145,6 +152,9 @@ class RequestTable:
         self.changed = threading.Condition(self.lock)
         self._requests: dict[str, Request] = {}
         self.tombstones = Tombstones()
+        # Ids the local caller released before any peer asked for them (`release(keep=)`):
+        # a peer that asks later is answered at once, not taken as a new use (#30.5, #31.3).
+        self.released = Tombstones()
 
     # -- lookups (caller holds the lock) -------------------------------------
     def find(self, request_id: str) -> Request | None:
@@ -228,7 +238,8 @@ class RequestTable:
     def stats(self, request_id: str) -> RequestStats:
         return self.outcome(request_id).stats
 
-    def release(self, request_id: str) -> RequestOutcome:
+    def release(self, request_id: str, keep: Any = None) -> RequestOutcome:
+        """Forget a finished request; `keep(req)` True also remembers it in `released` (bounded)."""
         with self.lock:
             req = self._requests.get(request_id)
             if req is None:
@@ -242,7 +253,10 @@ class RequestTable:
                     "for Failed before release()"
                 )
             del self._requests[request_id]
-            return req.outcome()
+            outcome = req.outcome()
+            if keep is not None and keep(req):
+                self.released.add(request_id, outcome)
+            return outcome
 
     def wait(self, request_id: str, timeout: float | None) -> KVPoll:
         """Block until the request finishes: Success, `RequestFailed`, or `TransferTimeout`."""

@@ -207,7 +207,8 @@ class _Group:
         parts = [self.engine.stats(s) for s in self._get(request_id)]
         return RequestStats(sum(p.nbytes for p in parts), sum(p.segments for p in parts),
                             sum(p.transfers for p in parts), max((p.elapsed_s for p in parts),
-                                                                 default=0.0))
+                                                                 default=0.0),
+                            max((p.wire_s for p in parts), default=0.0))
 
     def release(self, request_id: str) -> None:
         """Release every (finished) sub-request and forget the request."""

@@ -15,6 +15,7 @@ two (held for a few attribute reads and writes, never while waiting).
 from __future__ import annotations
 
 import threading
+import time
 
 from .base import TransferHandle
 from .errors import TransferTimeout, TransportError, again
@@ -25,7 +26,7 @@ _GUARD = threading.Lock()
 class Handle(TransferHandle):
     """A posted transfer; `wait()` returns once every byte is in the peer's memory."""
 
-    __slots__ = ("_done", "_error", "_event", "_nbytes", "what")
+    __slots__ = ("_done", "_error", "_event", "_nbytes", "done_at", "what")
 
     def __init__(self, nbytes: int, what: str) -> None:
         self._nbytes = nbytes
@@ -33,6 +34,9 @@ class Handle(TransferHandle):
         self._done = False
         self._error: TransportError | None = None
         self._event: threading.Event | None = None  # made by the first wait that blocks
+        # `time.monotonic()` when it finished: a transfer's wire time ends here, not when a
+        # poll happened to notice (the PD engine's `RequestStats.wire_s`).
+        self.done_at: float | None = None
 
     @property
     def nbytes(self) -> int:
@@ -43,6 +47,7 @@ class Handle(TransferHandle):
             if self._done:
                 return False
             self._error = error  # before the flag: a poll that sees done sees the error
+            self.done_at = time.monotonic()
             self._done = True
             event = self._event
         if event is not None:

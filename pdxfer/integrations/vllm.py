@@ -78,11 +78,12 @@ short, so a dead peer still fails its requests in seconds.
 Not supported (refused or reported with the reason): sliding-window groups,
 different TP sizes (refused by name), pipeline parallelism, sleep mode
 (`supports_sleep_mode` is False: registered memory is not re-registered), a
-decode-side prefix-cache hit on a remotely prefilled request: the decode
-then computes the prompt itself, warns, counts it
+decode-side prefix-cache hit on a remotely prefilled request of a hybrid
+(Mamba) model: the decode then computes the prompt itself, warns, counts it
 (`vllm:pdxfer_num_prefix_cache_fallbacks`), and the prefill's send waits
-out its `request_timeout` (shipping only the uncached tail needs an engine
-Expect that names a tail; not there yet).
+out its `request_timeout`. Any other model's decode prefix hit loads only
+the uncached tail (`cached_blocks`, the engine's tail-only Expect), as NIXL
+does since vllm-project/vllm#48758.
 """
 
 from __future__ import annotations
@@ -317,6 +318,34 @@ class PdxferConnectorMetadata(KVConnectorMetadata):
 
 
 # ==== metrics ===============================================================================
+def cached_blocks(num_computed_tokens: int, block_sizes: Sequence[int],
+                  ssm_spec: Sequence[Any]) -> list[int] | None:
+    """Per transfer group, how many leading blocks of the prompt the decode's prefix cache holds.
+
+    vLLM's local hits are whole blocks of every group (`num_computed_tokens`
+    is a multiple of each block size): the decode loads only the blocks after
+    them (vllm-project/vllm#48758 does so for NIXL). None when the hit cannot
+    be resumed from the prefill's blocks: a Mamba group's one state block is
+    the state after the whole prompt, not after the prefix.
+    """
+    if not num_computed_tokens:
+        return [0] * len(block_sizes)
+    if any(s is not None for s in ssm_spec):
+        return None
+    return [num_computed_tokens // bs for bs in block_sizes]
+
+
+def tail_expect(blocks: Sequence[Sequence[int]], cached: Sequence[int]
+                ) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """The decode's `expect(indices, offsets=)` for tail blocks per group after `cached` held ones.
+
+    A group whose whole prompt is cached is named with no blocks (its offset
+    still tells the prefill to skip them); one with nothing is left out.
+    """
+    indices = {f"g{g}": list(b) for g, (b, k) in enumerate(zip(blocks, cached, strict=True)) if b or k}
+    return indices, {f"g{g}": k for g, k in enumerate(cached) if k}
+
+
 def failure_kind(cause: BaseException | None, reason: str | None) -> str:
     """A failure's label: the exception class pdxfer attached, or 'aborted' / 'unknown'."""
     if cause is not None:
@@ -416,7 +445,7 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
         self.fallbacks = per_engine(counter(
             name="vllm:pdxfer_num_prefix_cache_fallbacks", labelnames=labelnames,
             documentation="Remotely prefilled requests the decode computed itself because of a "
-                          "local prefix-cache hit (pdxfer ships whole prompts)."))
+                          "local prefix-cache hit of a hybrid (Mamba) model."))
         self._failed = counter(
             name="vllm:pdxfer_num_failed_transfers", labelnames=[*labelnames, "reason"],
             documentation="pdxfer transfers that failed, by cause (the pdxfer exception class, "
@@ -461,6 +490,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         if any(isinstance(s, SlidingWindowSpec) for s in specs):
             raise ConfigError("PdxferConnector does not transfer sliding-window cache groups yet")
         self._ssm_spec = [s.num_speculative_blocks if isinstance(s, MambaSpec) else None for s in specs]
+        self._block_sizes = [int(s.block_size) for s in specs]
         self._clip = clip_ssm_state_blocks
         # vLLM takes block-level load errors only where block ids are unique: one cache group.
         self._block_errors = len(kv_cache_config.kv_cache_groups) == 1
@@ -470,7 +500,8 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         text = json.dumps(given) if given is not None else os.environ.get(CONFIG_ENV)
         self.config = engine_config(text, host=get_ip, request_timeout=SERVING_REQUEST_TIMEOUT)
         # scheduler side
-        self._to_recv: dict[str, tuple[str, list[str], list[list[int]]]] = {}
+        # vLLM id -> (pdxfer id, prefill addresses, tail blocks per group, cached blocks per group)
+        self._to_recv: dict[str, tuple[str, list[str], list[list[int]], list[int]]] = {}
         self._to_send: dict[str, list[list[int]]] = {}
         self._held: set[str] = set()  # prefill requests whose blocks wait for finished_sending
         self._addresses: list[str] = []
@@ -550,17 +581,22 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         p = request.kv_transfer_params
         if not p or not p.get("do_remote_prefill"):
             return 0, False
-        if num_computed_tokens:
+        cached = cached_blocks(num_computed_tokens, self._block_sizes, self._ssm_spec)
+        if cached is None:
             if not p.get("_pdxfer_local_hit"):  # asked again each step it waits: say it once
                 p["_pdxfer_local_hit"] = True
-                log.warning("pdxfer: request %s has %d tokens cached locally; pdxfer ships whole "
-                            "prompts, so the decode computes it itself and the prefill's send "
-                            "waits out its request_timeout (%.0f s)", request.request_id,
-                            num_computed_tokens, self.config.request_wait)
+                log.warning("pdxfer: request %s has %d tokens cached locally in a hybrid (Mamba) "
+                            "model, whose state cannot resume from a prefix; the decode computes "
+                            "it itself and the prefill's send waits out its request_timeout "
+                            "(%.0f s)", request.request_id, num_computed_tokens,
+                            self.config.request_wait)
                 if self._stats is not None:
                     self._stats.data["prefix_fallbacks"].append(num_computed_tokens)
             return 0, False
+        # A local prefix hit loads only the uncached tail: the Expect names its offset per group.
+        p["_pdxfer_cached"] = cached
         n = request.num_prompt_tokens - (self._backoff if request.num_prompt_tokens > self._backoff else 0)
+        n -= num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -572,8 +608,10 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens <= 0:
             return
         addrs = list(p.get("remote_addresses") or [])
-        self._to_recv[request.request_id] = (str(p["remote_request_id"]), addrs,
-                                             self._transfer_blocks(blocks.get_unhashed_block_ids_all_groups()))
+        # The unhashed blocks are the new ones: with a local prefix hit, the tail's only.
+        tail = self._transfer_blocks(blocks.get_unhashed_block_ids_all_groups())
+        cached = p.pop("_pdxfer_cached", None) or [0] * len(tail)
+        self._to_recv[request.request_id] = (str(p["remote_request_id"]), addrs, tail, cached)
 
     def build_connector_meta(self, scheduler_output: Any) -> PdxferConnectorMetadata:
         """This step's expects and sends, handed to every worker."""
@@ -653,7 +691,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         """Expect this step's remote prefills; send this step's finished prefills."""
         meta = self._get_connector_metadata()
         rank = self._rank
-        for rid, (pid, addrs, blocks) in meta.recv.items():
+        for rid, (pid, addrs, blocks, cached) in meta.recv.items():
             self._recving[rid] = (pid, blocks)
             try:
                 if self.decode is None:
@@ -662,7 +700,8 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
                     raise ConfigError(f"the prefill runs {len(addrs)} TP ranks, this decode "
                                       f"{self._tp_size}; PdxferConnector pairs rank r with rank r "
                                       "and supports equal TP sizes only")
-                self.decode.expect(pid, addrs[rank], {f"g{g}": b for g, b in enumerate(blocks) if b})
+                indices, offsets = tail_expect(blocks, cached)
+                self.decode.expect(pid, addrs[rank], indices, offsets=offsets)
             except PdxferError as exc:
                 log.error("pdxfer: request %s cannot be received: %s", rid, exc)
                 self._failed.add(rid)

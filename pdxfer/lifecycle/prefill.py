@@ -102,6 +102,16 @@ class PrefillLife:
             self.deadline = now + self.timing.wait  # waiting for an Expect from now on
         return []
 
+    def on_renew(self, now: float) -> list:
+        """The decode still has it queued (`Renew`): a sent request waits for its Expect anew.
+
+        Only the wait for the Expect is renewed: once expected, the decode's
+        own timers and the Done bound the request.
+        """
+        if self.phase is PPhase.QUEUED and self.local:
+            self.deadline = max(self.deadline, now + self.timing.wait)
+        return []
+
     def on_abort(self, reason: str, now: float, inflight: bool) -> list:
         """The local caller gives up."""
         return self._fail(reason, None, now, inflight)

@@ -297,21 +297,31 @@ def test_engines_serving_different_models_are_refused_by_name(model_dir, tmp_pat
         D.close()
 
 
-# -- item 1 (connector part): a local prefix hit is said and counted, not silent -----------------
-def test_a_local_prefix_hit_on_the_decode_is_counted_and_said_once(model_dir, caplog) -> None:
+# -- item 1: a local prefix hit on the decode loads only the uncached tail ------------------------
+def test_a_local_prefix_hit_on_the_decode_loads_only_the_tail(model_dir, caplog) -> None:
     P, D = Side(model_dir, "kv_producer", seed=30), Side(model_dir, "kv_consumer", seed=31)
     try:
+        src, dst, before = {}, {}, None
         for rid in ("a", "b"):  # the same prompt twice: b's first two blocks are cached on D
-            params, _ = prefill(P, f"r30{rid}", 40)
+            params, src[rid] = prefill(P, f"r30{rid}", 40)
             dreq = request(f"d30{rid}", 40, dict(params), 4)
             D.sched.add_request(dreq)
+            if rid == "b":  # canaries: the cached prefix blocks (a's) must not be written
+                before = block_bytes(D, "layer.0", dst["a"][:2])
             with caplog.at_level(logging.WARNING, logger="pdxfer.vllm"):
-                until(lambda dreq=dreq: (P.step(), D.step()) and dreq.status is RequestStatus.RUNNING,
-                      f"d30{rid} to run")
-        said = [r for r in caplog.records if "cached locally" in r.getMessage()]
-        assert len(said) == 1 and "d30b" in said[0].getMessage()
-        assert merged(D).data["prefix_fallbacks"] == [32]
-        assert merged(D).reduce()["Num prefix-cache fallbacks"] == 1
+                until(lambda dreq=dreq: (P.step(), D.step()) and dreq.status is RequestStatus.RUNNING
+                      and not P.sched.connector.has_pending_push_work(), f"d30{rid} to run")
+            dst[rid] = list(D.sched.kv_cache_manager.get_block_ids(f"d30{rid}")[0])
+        assert dst["b"][:2] == dst["a"][:2]  # the hit: b reuses a's first two blocks
+        want = block_bytes(P, "layer.0", src["b"][0][2:])
+        got = block_bytes(D, "layer.0", dst["b"][2:])
+        assert all(torch.equal(x, y) for x, y in zip(want, got, strict=True))  # the tail landed
+        after = block_bytes(D, "layer.0", dst["a"][:2])
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+        assert not [r for r in caplog.records if "cached locally" in r.getMessage()]
+        assert merged(D).data["prefix_fallbacks"] == []
+        assert len(merged(D).data["bytes"]) == 2 and merged(D).data["failed"] == []
+        assert merged(D).data["bytes"][1] * 3 == merged(D).data["bytes"][0]  # one block of three
     finally:
         P.close()
         D.close()

@@ -173,3 +173,16 @@ def test_an_abort_before_the_expect_fails_locally_and_after_it_through_the_engin
     assert _until_finished(rx) is KVPoll.Failed
     with pytest.raises(RequestFailed, match=r"aborted by decode: decode scheduler aborted the request"):
         rx.failure_exception()
+
+
+# -- vLLM: a decode prefix hit loads only the tail (#31.1) ---------------------------------------
+def test_a_prefix_hit_names_its_cached_blocks_per_group_and_the_tail_expect() -> None:
+    assert vl.cached_blocks(0, [16, 32], [None, None]) == [0, 0]
+    assert vl.cached_blocks(64, [16, 32], [None, None]) == [4, 2]  # whole blocks of each group
+    assert vl.cached_blocks(32, [16, 16], [None, 0]) is None  # a Mamba group: computed locally
+    assert vl.cached_blocks(0, [16, 16], [None, 0]) == [0, 0]
+    indices, offsets = vl.tail_expect([[7, 8], [], []], [2, 3, 0])
+    # a fully cached group is still named (its offset tells the prefill to skip it); an empty
+    # one without an offset is left out; no offset is sent for a group with nothing cached
+    assert indices == {"g0": [7, 8], "g1": []} and offsets == {"g0": 2, "g1": 3}
+    assert vl.tail_expect([[1], [2]], [0, 0]) == ({"g0": [1], "g1": [2]}, {})
