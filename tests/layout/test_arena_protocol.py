@@ -15,9 +15,21 @@ import hashlib
 import msgpack
 import numpy as np
 import pytest
+import torch
 from arena_kinds import every_kind
-from pdxfer.layout import describe, fingerprint, plan_segments
+from pdxfer.layout import (
+    EntryField,
+    EntryMajorArena,
+    LayoutError,
+    arena_buffers,
+    check_indices,
+    describe,
+    fingerprint,
+    plan_segments,
+)
 from pdxfer.layout.describe import _canonical
+from pdxfer.layout.protocol import Arena
+from pdxfer.layout.segments import arena_footprints
 
 # Sources within every kind's live range (the strided one's live entries are 2..5).
 REQUESTS = [([2, 3, 4], [0, 1, 2]), ([5, 4], [2, 3]), ([3], [5]), ([2, 3, 4, 5], [0, 1, 2, 3]),
@@ -90,3 +102,64 @@ def test_description_and_tables_are_byte_identical_to_before_the_protocol(name: 
 
 def test_every_kind_is_pinned() -> None:
     assert sorted(every_kind()) == sorted(PINNED)
+
+
+class _Reversed:
+    """A sixth kind, defined only here: entries stored in reverse index order.
+
+    Nothing in layout names it, so planning, describing and registering it
+    working proves no dispatcher asks which kind it holds.
+    """
+
+    kind = "test_reversed"
+
+    def __init__(self, fields: list[EntryField], entries: int) -> None:
+        self.inner = EntryMajorArena(fields, entries, "cpu")
+        self.fields, self.entries, self.live_entries = fields, entries, entries
+        self.entry_bytes = self.inner.entry_bytes
+
+    def field_offset(self, name: str) -> int:
+        return self.inner.field_offset(name)
+
+    def buffers(self):
+        return self.inner.buffers()
+
+    def footprints(self):
+        return self.inner.footprints()
+
+    def index_space(self):
+        return self.entries, 0
+
+    def strided(self, checkpoint, layers):
+        return None  # not strided by index: the vectorised path must ask `plan`
+
+    def plan(self, pair, dst_entries, checkpoint, layers):
+        flipped = np.stack([self.entries - 1 - pair[0], dst_entries - 1 - pair[1]])
+        order = np.argsort(flipped[0], kind="stable")
+        return self.inner.plan(flipped[:, order], dst_entries, checkpoint, layers)
+
+    def description(self):
+        desc = self.inner.description()
+        desc["kind"] = self.kind
+        return desc
+
+
+def test_a_sixth_kind_plans_and_describes_without_touching_a_dispatcher() -> None:
+    fields = [EntryField("x", 2, (4,), torch.float32)]
+    arena = _Reversed(fields, 4)
+    assert isinstance(arena, Arena)
+    table, = plan_segments(arena, [0, 1], [0, 1])
+    stride = arena.entry_bytes
+    assert table.tolist() == [[2 * stride, 2 * stride, 2 * stride]]
+    assert describe(arena)["kind"] == "test_reversed"
+    assert fingerprint(describe(arena)) != fingerprint(describe(arena.inner))
+    assert arena_buffers(arena)[0] is arena.inner.buf
+    assert len(arena_footprints(arena)) == 1
+    assert check_indices(arena, [3]).tolist() == [3]
+
+
+def test_what_is_not_an_arena_is_refused_by_every_entry_point() -> None:
+    for call in (lambda: plan_segments("pool", [0], [0]), lambda: describe(object()),
+                 lambda: arena_buffers(3)):
+        with pytest.raises(LayoutError, match="is not an arena layout knows; it plans any arena kind"):
+            call()

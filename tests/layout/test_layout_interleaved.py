@@ -147,7 +147,7 @@ def test_mixed_layer_counts_interleave_by_layer_index_with_the_stated_padding() 
 
 
 def test_whole_entries_coalesce_and_layer_groups_are_one_range_per_entry() -> None:
-    src, dst = LayerInterleavedArena(_kv(), 8, "cpu"), LayerInterleavedArena(_kv(), 8, "cpu")
+    src = LayerInterleavedArena(_kv(), 8, "cpu")
     E, G = src.entry_bytes, src.layer_bytes
     whole, = plan_segments(src, [2, 3, 4], [5, 6, 7], dst_entries=8)
     assert whole.tolist() == [[2 * E, 5 * E, 3 * E]]
