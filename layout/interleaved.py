@@ -102,14 +102,17 @@ class LayerInterleavedArena(EntryMajorArena):
         extents = list(field_extents(one, base_align=base_align))
         self.layer_bytes = entry_bytes_for(one, base_align=base_align)
         self.layers = max(f.layers for f in self.fields)
-        ranges = checkpoint_ranges_for(one, base_align=base_align)
+        # A field with no bytes leaves nothing out, so it must not split a run
+        # (repeated per layer, a split run would be one more range per layer).
+        carry = [f if f.per_layer_bytes else replace(f, in_checkpoint=True) for f in one]
+        ranges = checkpoint_ranges_for(carry, base_align=base_align)
         # The layer's trailing padding joins a carried last field's range, so
         # that with every field carried consecutive layers touch and the whole
         # checkpoint is one range (padding travels, as between fields).
         if ranges:
             off, n = ranges[-1]
             if not any(start >= off + n and end > start and not f.in_checkpoint
-                       for f, start, end in extents):
+                       for f, start, end in field_extents(carry, base_align=base_align)):
                 ranges[-1] = (off, self.layer_bytes - off)
         self._layer_ckpt = np.array(ranges, dtype=np.int64).reshape(-1, 2)
         offsets = {f.name: start for f, start, _ in extents}

@@ -58,11 +58,19 @@ def _unknown(arena: object) -> LayoutError:
     )
 
 
+# Classes already seen to answer the protocol. `isinstance` against a runtime-
+# checkable Protocol looks up every member each time (several microseconds,
+# more than planning a one-entry request costs), so each class pays it once.
+_ARENA_TYPES: set[type] = set()
+
+
 def _known(arena: object) -> Arena:
     """`arena` if it answers the arena protocol, else the refusal naming the kinds."""
-    if not isinstance(arena, Arena):
-        raise _unknown(arena)
-    return arena
+    if type(arena) not in _ARENA_TYPES:
+        if not isinstance(arena, Arena):
+            raise _unknown(arena)
+        _ARENA_TYPES.add(type(arena))
+    return arena  # type: ignore[return-value]
 
 
 def arena_buffers(arena: Arena) -> list[torch.Tensor]:
