@@ -238,10 +238,16 @@ class EntryMajorArena:
         The whole entry, or its checkpoint ranges (`checkpoint=True`); with
         `layers=(a, b)` only layers `a..b-1` of every field, which here is one
         range per field (a field's layers are contiguous inside an entry).
+        Refuses `(a, b)` outside `0 <= a < b <=` the deepest field's layers.
         """
+        return self._spans(checkpoint, None if layers is None else check_layers(layers, self.fields))
+
+    def _spans(self, checkpoint: bool, layers: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """`entry_ranges` for a layer range already checked (against a whole split
+        arena's fields, which may be deeper than this plane's: those layers it lacks)."""
         if layers is None:
             return self.checkpoint_ranges if checkpoint else [(0, self.entry_bytes)]
-        a, b = check_layers(layers, self.fields)
+        a, b = layers
         ranges = []
         for f in self.fields:
             top = min(b, f.layers)
@@ -369,8 +375,11 @@ class SplitEntryMajorArena:
 
     def strided(self, checkpoint: bool,
                 layers: tuple[int, int] | None) -> list[tuple[int, list[tuple[int, int]]]]:
-        """Every plane's `strided` answer, in plane order."""
-        return [plane.strided(checkpoint, layers)[0] for plane in self.arenas]
+        """Every plane's slot stride and ranges, in plane order; `layers` is checked
+        against every plane's fields together, so a shallower plane ships what it has."""
+        if layers is not None:
+            layers = check_layers(layers, self.fields)
+        return [(plane.slot_stride, plane._spans(checkpoint, layers)) for plane in self.arenas]
 
     def plan(self, pair: np.ndarray, dst_entries: int, checkpoint: bool,
              layers: tuple[int, int] | None) -> list[np.ndarray]:

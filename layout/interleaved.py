@@ -144,12 +144,10 @@ class LayerInterleavedArena(EntryMajorArena):
         a, b = check_layers((a, b), self.fields)
         return self._layer_spans(a, b, checkpoint)
 
-    def entry_ranges(self, checkpoint: bool = False,
-                     layers: tuple[int, int] | None = None) -> list[tuple[int, int]]:
-        """The whole entry or its checkpoint ranges; with `layers`, `layer_ranges(*layers)`."""
+    def _spans(self, checkpoint: bool, layers: tuple[int, int] | None) -> list[tuple[int, int]]:
         if layers is None:
             return self.checkpoint_ranges if checkpoint else [(0, self.entry_bytes)]
-        return self.layer_ranges(*layers, checkpoint=checkpoint)
+        return self._layer_spans(*layers, checkpoint)
 
     def description(self) -> dict[str, Any]:
         """The entry-major keys under this kind, plus `layer_bytes` (the ordering's stride)."""

@@ -225,16 +225,15 @@ class PageMajorMHAArena(EntryMajorArena):
         desc["page"] = dict(self.geometry)
         return desc
 
-    def entry_ranges(self, checkpoint: bool = False,
-                     layers: tuple[int, int] | None = None) -> list[tuple[int, int]]:
-        """As `EntryMajorArena.entry_ranges`, but no `layers`: here each layer is a field
-        of its own (`k0`, `k1`, ...), so a layer range by field layer index means nothing."""
+    def _spans(self, checkpoint: bool, layers: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """No `layers` here: each layer is a field of its own (`k0`, `k1`, ...), so a
+        layer range by field layer index would mean every field's only layer."""
         if layers is not None:
             raise LayoutError(
                 f"{type(self).__name__} declares each layer as a field of its own, so it cannot "
                 f"ship a layer range {layers!r}; ship whole pages (layers=None)"
             )
-        return super().entry_ranges(checkpoint)
+        return super()._spans(checkpoint, None)
 
 
 
@@ -292,16 +291,15 @@ class PageMajorMambaArena(EntryMajorArena):
         desc["page"] = dict(self.geometry)
         return desc
 
-    def entry_ranges(self, checkpoint: bool = False,
-                     layers: tuple[int, int] | None = None) -> list[tuple[int, int]]:
-        """As `EntryMajorArena.entry_ranges`, but no `layers`: here each layer is a field
-        of its own (`k0`, `k1`, ...), so a layer range by field layer index means nothing."""
+    def _spans(self, checkpoint: bool, layers: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """No `layers` here: each layer is a field of its own (`k0`, `k1`, ...), so a
+        layer range by field layer index would mean every field's only layer."""
         if layers is not None:
             raise LayoutError(
                 f"{type(self).__name__} declares each layer as a field of its own, so it cannot "
                 f"ship a layer range {layers!r}; ship whole pages (layers=None)"
             )
-        return super().entry_ranges(checkpoint)
+        return super()._spans(checkpoint, None)
 
 
 

@@ -227,3 +227,21 @@ def test_page_major_refuses_a_layer_range_it_cannot_mean() -> None:
 def test_an_arena_needs_a_field() -> None:
     with pytest.raises(LayoutError, match="needs at least one field"):
         LayerInterleavedArena([], 2, "cpu")
+
+
+def test_a_split_arena_checks_layers_against_all_planes_and_a_shallow_plane_ships_what_it_has() -> None:
+    from pdxfer.layout import SplitEntryMajorArena
+    kv, ring = _kv()[:2], [EntryField("ring", 1, (16,), torch.float32)]
+    split = SplitEntryMajorArena([EntryMajorArena(kv, 4, "cpu"), EntryMajorArena(ring, 4, "cpu")])
+    deep, shallow = plan_segments(split, [1], [2], layers=(2, 4))
+    assert len(deep) == 2 and len(shallow) == 0
+    deep, shallow = plan_segments(split, [1], [2], layers=(0, 1))
+    assert shallow.tolist() == [[split.arenas[1].slot_stride, 2 * split.arenas[1].slot_stride, 64]]
+
+
+def test_a_per_layer_pool_ships_only_the_tensors_of_the_layer_range() -> None:
+    from pdxfer.layout import PerLayerArena
+    pool = PerLayerArena({"k": [torch.zeros(8, 4, dtype=torch.float16) for _ in range(4)],
+                          "v": [torch.zeros(8, 4, dtype=torch.float16) for _ in range(4)]})
+    tables = plan_segments(pool, [1, 2], [5, 6], layers=(1, 3))
+    assert [len(t) for t in tables] == [0, 1, 1, 0, 0, 1, 1, 0]  # k0..k3, v0..v3; runs merge
