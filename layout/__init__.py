@@ -3,7 +3,11 @@
 `layout` knows fields, entries and arenas, and nothing of transports or
 requests. It answers these questions from one field walk:
 - where a field's bytes are (`EntryField`, `field_extents`, the arenas' views);
-- which byte ranges ship a set of entries (`plan_segments`, segment tables);
+- which byte ranges ship a set of entries, or a layer range of them
+  (`plan_segments`, segment tables; `LayerInterleavedArena` makes a layer
+  range one range per entry);
+- what every arena kind answers so no planner asks which kind it is
+  (`layout.protocol.Arena`);
 - whether two peers agree on all of that (`describe`, `fingerprint`,
   `describe_diff`);
 - for a page pool and a state pool sharing one allocation, which entries
@@ -15,13 +19,7 @@ The page-major builders reproduce SGLang's envelope byte for byte, so a worker
 can swap them in and still ship whole pages.
 """
 
-from .arenas import (
-    EntryMajorArena,
-    LayerMajorArena,
-    SplitEntryMajorArena,
-    carve_layer_major,
-    plan_field_planes,
-)
+from .arenas import EntryMajorArena, SplitEntryMajorArena, plan_field_planes
 from .describe import (
     FORMAT_VERSION,
     describe,
@@ -40,6 +38,8 @@ from .fields import (
     field_extents,
     plan_regions,
 )
+from .interleaved import LayerInterleavedArena
+from .layer_major import LayerMajorArena, carve_layer_major
 from .page_major import (
     PageMajorMambaArena,
     PageMajorMHAArena,
@@ -67,6 +67,7 @@ __all__ = [
     "EntryMajorArena",
     "FORMAT_VERSION",
     "IndexMap",
+    "LayerInterleavedArena",
     "LayerMajorArena",
     "LayoutError",
     "PageMajorMHAArena",

@@ -6,34 +6,35 @@ range, one registered range and one write per run of entries over RDMA. It
 still hands kernels the per-layer views they take today (`view(name)` →
 `[layers, entries, *shape]`), only with a larger slot stride.
 
-`LayerMajorArena` reads the same field list with the layer axis outermost:
-the shape paged KV pools have now, one layer's slice contiguous. An entry is
-then NOT contiguous, which is why there is no `entry(i)` and why shipping it
-costs one segment per field × layer × run. Deletion condition: once paged pools
-are block-major, `EntryMajorArena` serves them and this class goes.
+`LayerMajorArena` (`layout.layer_major`) reads the same field list with the
+layer axis outermost; `LayerInterleavedArena` (`layout.interleaved`) keeps
+the entry axis outermost but orders an entry's bytes layer first.
 
 `SplitEntryMajorArena` covers a row space whose planes differ in width: a
 field is one strided tensor, so it lands in one plane (`plan_field_planes`
 picks which) and the split arena lets consumers ask for it by name.
 
 All arithmetic is `layout.fields`' one walk; this module only decides strides
-and who may write which bytes.
+and who may write which bytes. Each class answers the arena protocol
+(`layout.protocol`) itself, so no planner asks which class it holds.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
+from .aliasing import Footprint
 from .checks import _check_names, too_small
 from .errors import LayoutError
 from .fields import (
     _ALIGN,
     EntryField,
     _require_int,
-    carve,
     check_buffer,
     checkpoint_ranges_for,
     entry_bytes_for,
@@ -41,6 +42,8 @@ from .fields import (
     field_view,
     strictest_align,
 )
+from .protocol import base_description
+from .runs import _plan_strided, check_layers, join_ranges
 
 
 class EntryMajorArena:
@@ -112,8 +115,8 @@ class EntryMajorArena:
         self.fields = list(fields)
         self.entries = _require_int(entries, "entries")
         self.base_align = base_align
-        self.entry_bytes = entry_bytes_for(self.fields, base_align=base_align)
-        self._align = strictest_align(self.fields, base_align=base_align)
+        self.entry_bytes, self._align, self._offsets, self.checkpoint_ranges = (
+            self._walk(base_align))
         if slot_stride is None:
             slot_stride = self.entry_bytes
         self.slot_stride = _require_int(slot_stride, "slot_stride")
@@ -134,10 +137,7 @@ class EntryMajorArena:
                 f"live_entries {self.live_entries} outside 0..{self.entries}; it counts the "
                 "entries at the top of the index range this arena may write"
             )
-        extents = list(field_extents(self.fields, base_align=base_align))
-        self._offsets = {f.name: start for f, start, _ in extents}
         self._by_name = {f.name: f for f in self.fields}
-        self.checkpoint_ranges = checkpoint_ranges_for(self.fields, base_align=base_align)
         want = self.total_bytes
         if buf is None:
             # Zeroed, not `empty`: padding lies outside every field view and
@@ -155,6 +155,23 @@ class EntryMajorArena:
         if fill:
             for f in self.fields:
                 views[f.name][:, self.first_live :].fill_(f.fill)
+
+    def _walk(self, base_align: int) -> tuple[int, int, dict[str, int], list[tuple[int, int]]]:
+        """`(entry_bytes, strictest alignment, field offsets, checkpoint ranges)` of one entry.
+
+        Every one of them is an answer to `layout.fields`' one walk over the
+        fields; a subclass that orders an entry's bytes otherwise overrides
+        this (and `_layer_stride`), and inherits everything else.
+        """
+        extents = list(field_extents(self.fields, base_align=base_align))
+        return (entry_bytes_for(self.fields, base_align=base_align),
+                strictest_align(self.fields, base_align=base_align),
+                {f.name: start for f, start, _ in extents},
+                checkpoint_ranges_for(self.fields, base_align=base_align))
+
+    def _layer_stride(self, field: EntryField) -> int:
+        """Bytes from one layer of `field` to the next inside an entry."""
+        return field.per_layer_bytes
 
     @property
     def first_live(self) -> int:
@@ -194,7 +211,7 @@ class EntryMajorArena:
             field,
             self.entries,
             offset=self._offsets[name],
-            layer_stride=field.per_layer_bytes,
+            layer_stride=self._layer_stride(field),
             entry_stride=self.slot_stride,
         )
 
@@ -213,6 +230,65 @@ class EntryMajorArena:
         """Byte offset of a field from the start of an entry."""
         self._field(name)
         return self._offsets[name]
+
+    def entry_ranges(self, checkpoint: bool = False,
+                     layers: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+        """`(offset, nbytes)` of one entry that ship, from the entry's start.
+
+        The whole entry, or its checkpoint ranges (`checkpoint=True`); with
+        `layers=(a, b)` only layers `a..b-1` of every field, which here is one
+        range per field (a field's layers are contiguous inside an entry).
+        Refuses `(a, b)` outside `0 <= a < b <=` the deepest field's layers.
+        """
+        return self._spans(checkpoint, None if layers is None else check_layers(layers, self.fields))
+
+    def _spans(self, checkpoint: bool, layers: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """`entry_ranges` for a layer range already checked (against a whole split
+        arena's fields, which may be deeper than this plane's: those layers it lacks)."""
+        if layers is None:
+            return self.checkpoint_ranges if checkpoint else [(0, self.entry_bytes)]
+        a, b = layers
+        ranges = []
+        for f in self.fields:
+            top = min(b, f.layers)
+            if top > a and not (checkpoint and not f.in_checkpoint):
+                step = self._layer_stride(f)
+                ranges.append((self._offsets[f.name] + a * step, (top - a) * step))
+        return join_ranges(ranges)
+
+    # -- the arena protocol (`layout.protocol`) --
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The one buffer every entry lives in."""
+        return [self.buf]
+
+    def footprints(self) -> list[Footprint]:
+        """The live entries' slots: the gaps and the entries below belong to others."""
+        return [_live_slots(self, "")]
+
+    def index_space(self) -> tuple[int, int]:
+        """`(entries, first_live)`."""
+        return self.entries, self.first_live
+
+    def strided(self, checkpoint: bool,
+                layers: tuple[int, int] | None) -> list[tuple[int, list[tuple[int, int]]]]:
+        """`[(slot_stride, entry_ranges)]`: every entry ships the same ranges of its slot."""
+        return [(self.slot_stride, self.entry_ranges(checkpoint, layers))]
+
+    def plan(self, pair: np.ndarray, dst_entries: int, checkpoint: bool,
+             layers: tuple[int, int] | None) -> list[np.ndarray]:
+        """Each entry's ranges at `index * slot_stride`, merged across consecutive entries."""
+        return [_plan_strided(pair, stride, ranges) for stride, ranges in self.strided(checkpoint, layers)]
+
+    def description(self) -> dict[str, Any]:
+        """The common keys, with this arena's slot stride."""
+        return base_description(self, self.slot_stride)
+
+
+def _live_slots(arena: EntryMajorArena, label: str) -> Footprint:
+    return Footprint.of(label, str(arena.buf.device),
+                        int(arena.buf.data_ptr()) + arena.first_live * arena.slot_stride,
+                        arena.slot_stride, arena.entry_bytes, arena.live_entries)
 
 
 class SplitEntryMajorArena:
@@ -283,6 +359,43 @@ class SplitEntryMajorArena:
         """Index of the plane holding field `name`."""
         return self.arenas.index(self._arena(name))
 
+    # -- the arena protocol (`layout.protocol`): one buffer and one table per plane --
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Each plane's buffer, in plane order."""
+        return [plane.buf for plane in self.arenas]
+
+    def footprints(self) -> list[Footprint]:
+        """Each plane's live slots, labelled by plane, so interleaved planes stay apart."""
+        return [_live_slots(plane, f"plane {p}") for p, plane in enumerate(self.arenas)]
+
+    def index_space(self) -> tuple[int, int]:
+        """`(entries, first_live)`, shared by every plane."""
+        return self.entries, self.entries - self.live_entries
+
+    def strided(self, checkpoint: bool,
+                layers: tuple[int, int] | None) -> list[tuple[int, list[tuple[int, int]]]]:
+        """Every plane's slot stride and ranges, in plane order; `layers` is checked
+        against every plane's fields together, so a shallower plane ships what it has."""
+        if layers is not None:
+            layers = check_layers(layers, self.fields)
+        return [(plane.slot_stride, plane._spans(checkpoint, layers)) for plane in self.arenas]
+
+    def plan(self, pair: np.ndarray, dst_entries: int, checkpoint: bool,
+             layers: tuple[int, int] | None) -> list[np.ndarray]:
+        """One table per plane."""
+        return [_plan_strided(pair, stride, ranges) for stride, ranges in self.strided(checkpoint, layers)]
+
+    def description(self) -> dict[str, Any]:
+        """The common keys without a stride, and the planes with theirs."""
+        desc = base_description(self, None)  # one stride per plane, in `planes`
+        desc["planes"] = [
+            {"fields": [f.name for f in plane.fields], "entry_bytes": plane.entry_bytes,
+             "slot_stride": plane.slot_stride}
+            for plane in self.arenas
+        ]
+        return desc
+
 
 def plan_field_planes(
     fields: list[EntryField], plane_row_bytes: list[int]
@@ -328,113 +441,3 @@ def plan_field_planes(
             best = (groups, rows)
     assert best is not None  # assignments >= 1: num_planes ** 0 == 1
     return best
-
-
-class LayerMajorArena:
-    """The same fields with the layer axis outermost: today's paged-KV shape.
-
-    Field `f`'s region starts at its `field_extents` offset *times* `entries`
-    (the same walk, scaled by the axis that moved outside), with layer `l`,
-    entry `i` at `+ (l * entries + i) * per_layer_bytes`.
-
-    Fills only an allocation it owns: a caller's buffer may already hold KV
-    (an IPC-imported one does), so a non-zero fill over one is refused rather
-    than applied or dropped (a `-inf` score arriving as 0.0 turns "never
-    selected" into "always").
-    """
-
-    kind = "layer_major"
-
-    def __init__(
-        self,
-        fields: list[EntryField],
-        entries: int,
-        device: torch.device | str | None,
-        buf: torch.Tensor | None = None,
-    ) -> None:
-        if not fields:
-            raise LayoutError("a layer-major arena needs at least one field")
-        _check_names(fields)
-        self.fields = list(fields)
-        self.entries = _require_int(entries, "entries")
-        self.live_entries = self.entries
-        self.entry_bytes = entry_bytes_for(self.fields)
-        self._align = strictest_align(self.fields)
-        self._offsets = {f.name: start for f, start, _ in field_extents(self.fields)}
-        self._by_name = {f.name: f for f in self.fields}
-        want = self.total_bytes
-        if buf is None:
-            self.buf = torch.zeros(want, dtype=torch.uint8, device=device)
-            for field in self.fields:
-                self.view(field.name).fill_(field.fill)
-        else:
-            if isinstance(buf, torch.Tensor) and buf.dim() == 1 and buf.numel() < want:
-                raise LayoutError(too_small(self.fields, self.entries, self.entry_bytes,
-                                            self.entry_bytes, buf.numel(), _ALIGN))
-            check_buffer(buf, want, self._align)
-            unfillable = [f.name for f in self.fields if f.fill]
-            if unfillable:
-                raise LayoutError(
-                    f"fields {unfillable} declare a non-zero fill, which an arena over a "
-                    "caller's buffer cannot apply; fill the buffer yourself and declare "
-                    "fill=0.0, or let the arena own its buffer"
-                )
-            self.buf = buf
-        for field in self.fields:
-            self.view(field.name)  # validates every field against the buffer
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes the whole arena spans."""
-        return self.entry_bytes * self.entries
-
-    def region_offset(self, name: str) -> int:
-        """Byte offset of field `name`'s whole `[layers, entries, ...]` region."""
-        return self._offsets[self._field(name).name] * self.entries
-
-    def _field(self, name: str) -> EntryField:
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise LayoutError(
-                f"no field {name!r} in this arena; it has {list(self._by_name)}"
-            ) from None
-
-    def view(self, name: str) -> torch.Tensor:
-        """`[layers, entries, *shape]`, the signature `EntryMajorArena` gives,
-        contiguous per layer, which is what the paged path binds."""
-        field = self._field(name)
-        return field_view(
-            self.buf,
-            field,
-            self.entries,
-            offset=self._offsets[name] * self.entries,
-            layer_stride=self.entries * field.per_layer_bytes,
-            entry_stride=field.per_layer_bytes,
-        )
-
-    def field_offset(self, name: str) -> int:
-        """Offset of field `name` in the entry walk (its region starts at this × entries)."""
-        return self._offsets[self._field(name).name]
-
-
-def carve_layer_major(
-    groups: list[list[EntryField]],
-    entries: int,
-    device: torch.device | str | None,
-    buf: torch.Tensor | None = None,
-) -> list[LayerMajorArena | None]:
-    """One layer-major arena per field group, packed into one allocation.
-
-    A paged pool is several groups laid out apart but bought together (a
-    block's cache, its scales, an indexer's keys). Each group starts on its
-    strictest field alignment, so its views retype; an empty group gets
-    `None`. `buf` is None for a pool that owns its memory.
-    """
-    _require_int(entries, "entries")
-    sizes = [entry_bytes_for(group) * entries for group in groups]
-    aligns = [strictest_align(group) for group in groups]
-    return [
-        LayerMajorArena(group, entries, device, buf=region) if group else None
-        for group, region in zip(groups, carve(buf, sizes, aligns), strict=True)
-    ]

@@ -32,16 +32,14 @@ from typing import Any
 import msgpack
 import torch
 
-from .arenas import EntryMajorArena, LayerMajorArena, SplitEntryMajorArena
 from .errors import LayoutError
 from .fields import EntryField, field_extents, strictest_align
-from .per_layer import PerLayerArena
-from .segments import Arena, _unknown
+from .protocol import FORMAT_VERSION
+from .segments import Arena, _known
 from .shards import ShardGeometry, ShardMajorArena, shard_geometry
 
-# Bump when the meaning of a description (or the arithmetic behind it) changes,
-# so a peer running other layout code cannot match by accident.
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "describe", "describe_diff", "fingerprint", "is_split_pair",
+           "split_of"]
 
 # Not part of the format: a decode pool may be larger than the prefill pool.
 _NOT_FORMAT = ("entries", "live_entries")
@@ -55,76 +53,13 @@ _FIELD_ATTRS = ("name", "layers", "shape", "dtype", "fill", "align", "in_checkpo
 _SHARD_LOCAL = ("tp", "entry_bytes", "slot_stride", "offsets")
 
 
-def _describe_field(field: EntryField) -> dict[str, Any]:
-    fill = float(field.fill)
-    desc = {
-        "name": field.name,
-        "layers": field.layers,
-        "shape": list(field.shape),
-        "dtype": str(field.dtype),
-        # One NaN, so the hash does not depend on a payload nobody chose.
-        "fill": math.nan if math.isnan(fill) else fill,
-        "align": field.align,
-        "in_checkpoint": field.in_checkpoint,
-    }
-    # Only when set, so every description written before TP splits keeps its hash.
-    if field.tp_axis is not None:
-        desc["tp_axis"] = field.tp_axis
-    return desc
-
-
-def _describe_shards(arena: ShardMajorArena) -> dict[str, Any]:
-    """The global (unsharded) format, plus this rank's split and what it places."""
-    g = arena.geometry
-    return {
-        "version": FORMAT_VERSION,
-        "kind": arena.kind,
-        "fields": [_describe_field(f) for f in arena.declared],
-        "units": g.units,
-        "unit_bytes": g.unit_bytes,
-        "tp": {"size": g.tp, "rank": g.rank},
-        "entries": arena.entries,
-        "live_entries": arena.live_entries,
-        "entry_bytes": arena.entry_bytes,
-        "slot_stride": arena.slot_stride,
-        "offsets": {f.name: arena.field_offset(f.name) for f in arena.fields},
-    }
-
-
 def describe(arena: Arena) -> dict[str, Any]:
-    """Everything a peer needs to agree on an arena's bytes, as a plain dict."""
-    if isinstance(arena, ShardMajorArena):
-        return _describe_shards(arena)
-    if isinstance(arena, SplitEntryMajorArena):
-        planes = [
-            {
-                "fields": [f.name for f in plane.fields],
-                "entry_bytes": plane.entry_bytes,
-                "slot_stride": plane.slot_stride,
-            }
-            for plane in arena.arenas
-        ]
-        stride = None  # one per plane, in `planes`
-    elif isinstance(arena, (EntryMajorArena, LayerMajorArena, PerLayerArena)):
-        stride = getattr(arena, "slot_stride", None)  # layer-major and per-layer have none
-    else:
-        raise _unknown(arena)
-    desc: dict[str, Any] = {
-        "version": FORMAT_VERSION,
-        "kind": arena.kind,
-        "fields": [_describe_field(f) for f in arena.fields],
-        "entries": arena.entries,
-        "live_entries": arena.live_entries,
-        "entry_bytes": arena.entry_bytes,
-        "slot_stride": stride,
-        "offsets": {f.name: arena.field_offset(f.name) for f in arena.fields},
-    }
-    if isinstance(arena, SplitEntryMajorArena):
-        desc["planes"] = planes
-    geometry = getattr(arena, "geometry", None)
-    if geometry is not None:
-        desc["page"] = dict(geometry)
-    return desc
+    """Everything a peer needs to agree on an arena's bytes, as a plain dict.
+
+    Each kind says it itself (`Arena.description`); this only refuses what
+    is not an arena.
+    """
+    return _known(arena).description()
 
 
 def _canonical(value: Any, path: str = "desc") -> Any:

@@ -35,6 +35,7 @@ SGLang's page-major views.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -218,6 +219,23 @@ class PageMajorMHAArena(EntryMajorArena):
         self.k_buffer = [self.view(f"k{layer}")[0] for layer in range(layer_num)]
         self.v_buffer = [self.view(f"v{layer}")[0] for layer in range(layer_num)]
 
+    def description(self) -> dict[str, Any]:
+        """The entry-major keys, plus the page geometry SGLang's pool was built from."""
+        desc = super().description()
+        desc["page"] = dict(self.geometry)
+        return desc
+
+    def _spans(self, checkpoint: bool, layers: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """No `layers` here: each layer is a field of its own (`k0`, `k1`, ...), so a
+        layer range by field layer index would mean every field's only layer."""
+        if layers is not None:
+            raise LayoutError(
+                f"{type(self).__name__} declares each layer as a field of its own, so it cannot "
+                f"ship a layer range {layers!r}; ship whole pages (layers=None)"
+            )
+        return super()._spans(checkpoint, None)
+
+
 
 class PageMajorMambaArena(EntryMajorArena):
     """A Mamba/GDN state pool in SGLang's per-slot envelope; one entry is one slot.
@@ -266,6 +284,23 @@ class PageMajorMambaArena(EntryMajorArena):
         self.max_slots = max_slots
         self.conv = [self.view(f"conv{i}") for i in range(len(fields) - 1)]
         self.temporal = self.view("temporal")
+
+    def description(self) -> dict[str, Any]:
+        """The entry-major keys, plus the page geometry SGLang's pool was built from."""
+        desc = super().description()
+        desc["page"] = dict(self.geometry)
+        return desc
+
+    def _spans(self, checkpoint: bool, layers: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """No `layers` here: each layer is a field of its own (`k0`, `k1`, ...), so a
+        layer range by field layer index would mean every field's only layer."""
+        if layers is not None:
+            raise LayoutError(
+                f"{type(self).__name__} declares each layer as a field of its own, so it cannot "
+                f"ship a layer range {layers!r}; ship whole pages (layers=None)"
+            )
+        return super()._spans(checkpoint, None)
+
 
 
 def build_page_major_mha_views(

@@ -31,6 +31,7 @@ has the numbers and the migration. The arena never writes the tensors.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +40,8 @@ from .aliasing import Footprint, first_alias
 from .checks import _check_names
 from .errors import LayoutError
 from .fields import EntryField, _require_int
+from .protocol import base_description
+from .runs import _plan_slots, check_layers
 
 
 class PerLayerArena:
@@ -147,21 +150,41 @@ class PerLayerArena:
         return [Footprint.of_tensor(f"field {f.name!r} layer {layer}", t)
                 for f in self.fields for layer, t in enumerate(self._tensors[f.name])]
 
-    def plan(self, pair: np.ndarray, checkpoint: bool, plan_slots) -> list[np.ndarray]:
+    # -- the arena protocol (`layout.protocol`); `buffers` and `footprints` are above --
+
+    def index_space(self) -> tuple[int, int]:
+        """`(entries, 0)`: every entry may be named."""
+        return self.entries, 0
+
+    def strided(self, checkpoint: bool, layers: tuple[int, int] | None) -> None:
+        """None: one table per tensor is planned once per field, not per buffer."""
+        return None
+
+    def plan(self, pair: np.ndarray, dst_entries: int, checkpoint: bool,
+             layers: tuple[int, int] | None) -> list[np.ndarray]:
         """One table per buffer for validated, source-ordered `pair` (`[2, n]` int64).
 
-        One `plan_slots` call per field (its tensors share the stride), then
+        One `_plan_slots` call per field (its tensors share the stride), then
         one broadcast copy stamps it out for every layer: distinct arrays,
-        since a caller may shift one tensor's table in place.
+        since a caller may shift one tensor's table in place. With `layers`,
+        the tensors of layers outside `[a, b)` get empty tables (they keep
+        their place, so tables and `buffers()` still pair up by position).
         """
+        lo, hi = (0, None) if layers is None else check_layers(layers, self.fields)
         tables: list[np.ndarray] = []
         for field in self.fields:
             stride = field.per_layer_bytes
             if (checkpoint and not field.in_checkpoint) or not stride:
                 table = np.empty((0, 3), dtype=np.int64)
             else:
-                table = plan_slots(pair, stride, 0, stride)
+                table = _plan_slots(pair, stride, 0, stride)
             stamped = np.empty((field.layers, *table.shape), dtype=np.int64)
             stamped[:] = table
-            tables += list(stamped)
+            keep = np.zeros(field.layers, dtype=bool)
+            keep[lo:hi] = True
+            tables += [t if k else t[:0] for t, k in zip(stamped, keep.tolist(), strict=True)]
         return tables
+
+    def description(self) -> dict[str, Any]:
+        """The common keys; no slot stride (each tensor is a buffer of its own)."""
+        return base_description(self, None)

@@ -33,22 +33,15 @@ the table in place, without building and merging per-row byte columns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
 from .aliasing import Footprint
-from .arenas import EntryMajorArena, LayerMajorArena, SplitEntryMajorArena
 from .errors import LayoutError
 from .fields import _require_int
-from .per_layer import PerLayerArena
-from .small_plan import _empty, _plan_tiny, _ranges
-
-_KINDS = ("EntryMajorArena, SplitEntryMajorArena, LayerMajorArena, PerLayerArena, "
-          "PageMajorMHAArena, PageMajorMambaArena")
-
-Arena = EntryMajorArena | SplitEntryMajorArena | LayerMajorArena | PerLayerArena
+from .protocol import Arena
+from .runs import _merge, check_layers
+from .small_plan import _plan_tiny
 
 # Up to this many indices, a sort of a few elements beats a bitmap over the
 # whole index space (which costs the space, not the request), and whole
@@ -57,7 +50,27 @@ _SMALL = 64
 
 
 def _unknown(arena: object) -> LayoutError:
-    return LayoutError(f"{type(arena).__name__} is not an arena layout knows; it plans {_KINDS}")
+    return LayoutError(
+        f"{type(arena).__name__} is not an arena layout knows; it plans any arena kind "
+        "answering layout.protocol.Arena (EntryMajorArena, SplitEntryMajorArena, "
+        "LayerMajorArena, LayerInterleavedArena, PerLayerArena, ShardMajorArena, "
+        "PageMajorMHAArena, PageMajorMambaArena)"
+    )
+
+
+# Classes already seen to answer the protocol. `isinstance` against a runtime-
+# checkable Protocol looks up every member each time (several microseconds,
+# more than planning a one-entry request costs), so each class pays it once.
+_ARENA_TYPES: set[type] = set()
+
+
+def _known(arena: object) -> Arena:
+    """`arena` if it answers the arena protocol, else the refusal naming the kinds."""
+    if type(arena) not in _ARENA_TYPES:
+        if not isinstance(arena, Arena):
+            raise _unknown(arena)
+        _ARENA_TYPES.add(type(arena))
+    return arena  # type: ignore[return-value]
 
 
 def arena_buffers(arena: Arena) -> list[torch.Tensor]:
@@ -65,42 +78,18 @@ def arena_buffers(arena: Arena) -> list[torch.Tensor]:
 
     One per segment table `plan_segments` returns, in the same order.
     """
-    if isinstance(arena, SplitEntryMajorArena):
-        return [plane.buf for plane in arena.arenas]
-    if isinstance(arena, (EntryMajorArena, LayerMajorArena)):
-        return [arena.buf]
-    if isinstance(arena, PerLayerArena):
-        return arena.buffers()
-    raise _unknown(arena)
+    return _known(arena).buffers()
 
 
 def arena_footprints(arena: Arena) -> list[Footprint]:
     """The bytes a peer may write in each of `arena_buffers(arena)` (same order, unlabelled
     where the arena has one buffer): live entries only, so interleaved planes stay apart."""
-    if isinstance(arena, SplitEntryMajorArena):
-        return [_live_slots(plane, f"plane {p}") for p, plane in enumerate(arena.arenas)]
-    if isinstance(arena, EntryMajorArena):
-        return [_live_slots(arena, "")]
-    if isinstance(arena, LayerMajorArena):
-        return [Footprint.of_tensor("", arena.buf[:arena.total_bytes])]
-    if isinstance(arena, PerLayerArena):
-        return arena.footprints()
-    raise _unknown(arena)
-
-
-def _live_slots(arena: EntryMajorArena, label: str) -> Footprint:
-    return Footprint.of(label, str(arena.buf.device),
-                        int(arena.buf.data_ptr()) + arena.first_live * arena.slot_stride,
-                        arena.slot_stride, arena.entry_bytes, arena.live_entries)
+    return _known(arena).footprints()
 
 
 def _index_space(arena: Arena) -> tuple[int, int]:
     """`(entries, first_live)`: indices `first_live..entries-1` may be named."""
-    if isinstance(arena, (EntryMajorArena, SplitEntryMajorArena)):
-        return arena.entries, arena.entries - arena.live_entries
-    if isinstance(arena, (LayerMajorArena, PerLayerArena)):
-        return arena.entries, 0
-    raise _unknown(arena)
+    return _known(arena).index_space()
 
 
 def _plural(what: str) -> str:
@@ -258,19 +247,6 @@ def check_indices(
     return out
 
 
-def _merge(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    """Rows (in table order) joined wherever a row continues the previous on both sides."""
-    if src.size == 0:
-        return _empty()
-    cont = (src[1:] == src[:-1] + nbytes[:-1]) & (dst[1:] == dst[:-1] + nbytes[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    out = np.empty((starts.size, 3), dtype=np.int64)
-    out[:, 0] = src[starts]
-    out[:, 1] = dst[starts]
-    out[:, 2] = nbytes[starts] if starts.size == src.size else np.add.reduceat(nbytes, starts)
-    return out
-
-
 def coalesce(table: np.ndarray) -> np.ndarray:
     """`table` sorted by source with rows adjacent on both sides merged, empty rows dropped.
 
@@ -298,70 +274,6 @@ def coalesce(table: np.ndarray) -> np.ndarray:
     return _merge(arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy())
 
 
-def _plan_strided(pair: np.ndarray, stride: int, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
-    """Entry `i`'s ranges at `i * stride + offset` on both sides, merged."""
-    ranges = [(o, n) for o, n in ranges if n > 0]
-    if not ranges or pair.shape[1] == 0:
-        return _empty()
-    if len(ranges) == 1:
-        (off, n), = ranges
-        return _plan_slots(pair, stride, off, n)
-    offs = np.array([o for o, _ in ranges], dtype=np.int64)
-    s = (pair[0][:, None] * stride + offs).ravel()
-    d = (pair[1][:, None] * stride + offs).ravel()
-    nbytes = np.tile(np.array([n for _, n in ranges], dtype=np.int64), pair.shape[1])
-    return _merge(s, d, nbytes)
-
-
-def _plan_slots(pair: np.ndarray, stride: int, off: int, n: int) -> np.ndarray:
-    """One range `[off, off + n)` per entry: `_merge`'s table, with runs found on the indices.
-
-    Row `k + 1` continues row `k` only when `(src[k+1] - src[k]) * stride == n`;
-    as `0 < n <= stride`, that is `n == stride` and both indices step by one.
-    So a range narrower than the slot never merges, and a whole slot merges
-    exactly the runs of entries consecutive on both sides.
-    """
-    size = pair.shape[1]
-    nbytes: int | np.ndarray = n
-    if n == stride and size > 1:
-        brk = (pair[:, 1:] - pair[:, :-1]) != 1
-        brk = brk[0] | brk[1]
-        if np.count_nonzero(brk) < size - 1:
-            starts = np.flatnonzero(np.concatenate(([True], brk)))
-            nbytes = np.diff(np.append(starts, size)) * n
-            pair = pair.take(starts, axis=1)
-    out = np.empty((pair.shape[1], 3), dtype=np.int64)
-    out[:, :2] = (pair * stride + off if off else pair * stride).T
-    out[:, 2] = nbytes
-    return out
-
-
-def _plan_layer_major(
-    arena: LayerMajorArena, pair: np.ndarray, dst_entries: int, checkpoint: bool
-) -> np.ndarray:
-    """One row per field × layer × run of entries consecutive on both sides, merged."""
-    src, dst = pair
-    if src.size == 0:
-        return _empty()
-    cont = (src[1:] == src[:-1] + 1) & (dst[1:] == dst[:-1] + 1)
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    run_len = np.diff(np.append(starts, src.size))
-    run_src, run_dst = src[starts], dst[starts]
-    parts = []
-    for field in arena.fields:
-        nbytes = field.per_layer_bytes
-        if (checkpoint and not field.in_checkpoint) or not nbytes or not field.layers:
-            continue
-        offset = arena.field_offset(field.name)
-        layer = np.arange(field.layers, dtype=np.int64)[:, None]
-        s = offset * arena.entries + (layer * arena.entries + run_src) * nbytes
-        d = offset * dst_entries + (layer * dst_entries + run_dst) * nbytes
-        parts.append((s.ravel(), d.ravel(), np.tile(run_len * nbytes, field.layers)))
-    if not parts:
-        return _empty()
-    return _merge(*(np.concatenate(col) for col in zip(*parts, strict=True)))
-
-
 def _index_pair(src_idx: object, dst_idx: object) -> tuple[np.ndarray, np.ndarray]:
     """Source and destination indices as arrays of one length (not yet range-checked)."""
     src = _as_indices(src_idx, "source index")
@@ -381,6 +293,7 @@ def plan_segments(
     *,
     checkpoint: bool = False,
     dst_entries: int | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> list[np.ndarray]:
     """Segment tables shipping entries `src_idx[k]` of `arena` to `dst_idx[k]` of its peer.
 
@@ -389,16 +302,24 @@ def plan_segments(
     `checkpoint=True`), merged where consecutive on both sides. The peer is
     assumed to have the same format (equal `fingerprint`); `dst_entries` is
     its entry count (default: ours), which places layer-major regions.
+    `layers=(a, b)` ships only layers `a..b-1` of every field (those of a
+    field with fewer layers that it has); the arena says which bytes those
+    are (`LayerInterleavedArena`: one prefix-free range per entry).
 
     Refusals, all before any planning: non-1-D or non-integer indices,
     unequal lengths, negative indices, sources outside this arena's live
-    range, destinations `>= dst_entries`, repeated destinations.
+    range, destinations `>= dst_entries`, repeated destinations, a layer
+    range outside the fields' layers.
     """
     src, dst = _index_pair(src_idx, dst_idx)
     entries, first_live = _index_space(arena)
     dst_entries = entries if dst_entries is None else _require_int(dst_entries, "dst_entries")
+    if layers is not None:
+        layers = check_layers(layers, arena.fields)
     if src.size <= _SMALL:
-        tables = _plan_tiny(arena, src, dst, (first_live, entries), dst_entries, checkpoint)
+        planes = arena.strided(checkpoint, layers)
+        tables = None if planes is None else _plan_tiny(planes, src, dst, (first_live, entries),
+                                                        dst_entries)
         if tables is not None:
             return tables
     small = 0 < src.size <= _SMALL
@@ -414,11 +335,4 @@ def plan_segments(
         if order is not None:
             pair = pair.take(order, axis=1)
 
-    if isinstance(arena, SplitEntryMajorArena):
-        return [_plan_strided(pair, plane.slot_stride, _ranges(plane, checkpoint))
-                for plane in arena.arenas]
-    if isinstance(arena, LayerMajorArena):
-        return [_plan_layer_major(arena, pair, dst_entries, checkpoint)]
-    if isinstance(arena, PerLayerArena):
-        return arena.plan(pair, checkpoint, _plan_slots)
-    return [_plan_strided(pair, arena.slot_stride, _ranges(arena, checkpoint))]
+    return arena.plan(pair, dst_entries, checkpoint, layers)

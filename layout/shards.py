@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -50,6 +51,7 @@ from .fields import (
     field_extents,
     strictest_align,
 )
+from .protocol import FORMAT_VERSION, describe_field
 
 
 @dataclass(frozen=True)
@@ -238,3 +240,24 @@ class ShardMajorArena(EntryMajorArena):
         if name in self._split:
             return super().field_offset(f"{name}@{self.geometry.first_unit}")
         return super().field_offset(name)
+
+    def description(self) -> dict[str, Any]:
+        """The global (unsharded) format, plus this rank's split and what it places.
+
+        Two ranks of different splits differ here yet may exchange bytes:
+        `describe_diff` compares the global formats and checks each split.
+        """
+        g = self.geometry
+        return {
+            "version": FORMAT_VERSION,
+            "kind": self.kind,
+            "fields": [describe_field(f) for f in self.declared],
+            "units": g.units,
+            "unit_bytes": g.unit_bytes,
+            "tp": {"size": g.tp, "rank": g.rank},
+            "entries": self.entries,
+            "live_entries": self.live_entries,
+            "entry_bytes": self.entry_bytes,
+            "slot_stride": self.slot_stride,
+            "offsets": {f.name: self.field_offset(f.name) for f in self.fields},
+        }

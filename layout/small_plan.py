@@ -15,7 +15,7 @@ from operator import itemgetter
 
 import numpy as np
 
-from .arenas import EntryMajorArena, SplitEntryMajorArena
+from .runs import _empty
 
 # At most this many pairs plan in plain ints (`_plan_tiny`) whatever their
 # ranges: a state entry or a decode step's page; with one range per entry, up
@@ -24,17 +24,9 @@ from .arenas import EntryMajorArena, SplitEntryMajorArena
 _TINY = 3
 
 
-def _empty() -> np.ndarray:
-    return np.empty((0, 3), dtype=np.int64)
-
-
-def _ranges(arena: EntryMajorArena, checkpoint: bool) -> list[tuple[int, int]]:
-    return arena.checkpoint_ranges if checkpoint else [(0, arena.entry_bytes)]
-
-
 def _plan_tiny(
-    arena: object, src: np.ndarray, dst: np.ndarray, live: tuple[int, int], dst_entries: int,
-    checkpoint: bool,
+    planes: list[tuple[int, list[tuple[int, int]]]], src: np.ndarray, dst: np.ndarray,
+    live: tuple[int, int], dst_entries: int,
 ) -> list[np.ndarray] | None:
     """`plan_segments`' tables for small requests, in plain ints; None if in doubt.
 
@@ -44,14 +36,11 @@ def _plan_tiny(
     merging, same source order, stable among repeated sources). Any index it
     does not like sends the request down that path, which refuses it with the
     position and value — so this never words a refusal itself.
+
+    `planes` is the arena's `strided` answer: per buffer, the slot stride and
+    the ranges every entry ships of its slot.
     """
-    if isinstance(arena, SplitEntryMajorArena):
-        planes = arena.arenas
-    elif isinstance(arena, EntryMajorArena):
-        planes = [arena]
-    else:
-        return None
-    spans = [[(o, n) for o, n in _ranges(plane, checkpoint) if n > 0] for plane in planes]
+    spans = [[(o, n) for o, n in ranges if n > 0] for _, ranges in planes]
     if len(src) > _TINY and any(len(r) > 1 for r in spans):
         return None
     dl = dst.tolist()
@@ -61,8 +50,7 @@ def _plan_tiny(
                   or max(dl) >= dst_entries or len(set(dl)) != len(dl)):
         return None
     tables = []
-    for plane, ranges in zip(planes, spans, strict=True):
-        stride = plane.slot_stride
+    for (stride, _), ranges in zip(planes, spans, strict=True):
         if len(ranges) == 1:
             flat = _one_range(pairs, stride, *ranges[0])
         else:

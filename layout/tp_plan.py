@@ -27,13 +27,12 @@ import numpy as np
 from .describe import split_of
 from .errors import LayoutError
 from .fields import _require_int
+from .runs import _empty, _merge
 from .segments import (
     _check_range,
     _check_unique,
-    _empty,
     _index_pair,
     _index_space,
-    _merge,
     _source_order,
 )
 from .shards import ShardGeometry, ShardMajorArena

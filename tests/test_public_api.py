@@ -17,7 +17,7 @@ TRANSPORT = [
 ]
 LAYOUT = [
     "ElasticPools", "EntryField", "EntryMajorArena", "FORMAT_VERSION", "IndexMap",
-    "LayerMajorArena", "LayoutError", "PageMajorMHAArena", "PageMajorMambaArena", "PdxferError",
+    "LayerInterleavedArena", "LayerMajorArena", "LayoutError", "PageMajorMHAArena", "PageMajorMambaArena", "PdxferError",
     "PerLayerArena", "RankPair", "ResizePlan", "ShardGeometry", "ShardMajorArena",
     "SplitEntryMajorArena", "adopt_ranges", "arena_buffers", "build_page_major_mamba_views",
     "build_page_major_mha_views", "carve", "carve_layer_major", "check_indices",
