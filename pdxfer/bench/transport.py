@@ -79,12 +79,14 @@ def _expected_crc(src: np.ndarray, table: np.ndarray) -> int:
     return zlib.crc32(out)
 
 
-def _measure(runs: dict[str, Run], reps: int) -> dict[str, list[float]]:
+def _measure(runs: dict[str, Run], reps: int,
+             tick: Callable[[int], None] = lambda i: None) -> dict[str, list[float]]:
     """Seconds of each timed run by method, every run verified by crc32 of its destination.
 
     The methods take turns within each repetition rather than running their
     reps back to back, so a burst of load from other processes on a shared
-    machine hits all of them alike and the ratios stay fair.
+    machine hits all of them alike and the ratios stay fair. `tick(i)` is
+    called after round `i` (0: the warm-up), so progress shows within a case.
     """
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(reps + 1):
@@ -98,7 +100,38 @@ def _measure(runs: dict[str, Run], reps: int) -> dict[str, list[float]]:
                 raise SystemExit(f"{name}: run {i} moved wrong bytes (crc32 {got:#x}, expected {crc:#x})")
             if i:  # round 0 warms caches, page tables and connections
                 times[name].append(elapsed)
+        tick(i)
     return times
+
+
+# What the up-front estimate assumes per segment of a per-segment method
+# (memcpy/seg, raw socket: a Python loop iteration each) and per byte of a
+# run beyond one pass over the buffer (zero, copy, crc32). Rough on purpose:
+# the progress line's ETA, from measured rounds, replaces it within seconds.
+_EST_SEGMENT_S = 2e-6
+_EST_PASSES = 4
+
+
+def estimate(total: int, reps: int, methods: int, per_segment_methods: int) -> float:
+    """Seconds a run should take, scaled by one timed pass over a `total`-byte buffer here.
+
+    Every method of every case runs `reps + 1` times; each run costs a few
+    passes over the buffer (zero it, move it, crc32 it), and the per-segment
+    methods a Python iteration per segment on top.
+    """
+    buf = np.ones(total, dtype=np.uint8)
+    out = np.empty_like(buf)
+    t0 = time.perf_counter()
+    np.copyto(out, buf)
+    zlib.crc32(out)
+    one_pass = (time.perf_counter() - t0) / 2
+    rounds = (reps + 1) * 2  # contiguous and shuffled
+    seconds = 0.0
+    for seg in SEGMENTS:
+        seconds += rounds * (methods * _EST_PASSES * one_pass
+                             + per_segment_methods * (total // seg) * _EST_SEGMENT_S)
+        seconds += 2 * (total // seg) * _EST_SEGMENT_S  # each case's expected crc32, a loop too
+    return seconds
 
 
 class _RawPair:
@@ -297,21 +330,27 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
     results: list[dict[str, float | str]] = []
     try:
         raw = _pairs(backends, src, local, remote, columns, pairs, nixls)
+        methods = len(pairs) + len(nixls) + 2 + (raw is not None)
+        seconds = estimate(total, reps, methods, 1 + (raw is not None))
+        out(f"# {len(SEGMENTS) * 2} cases x {methods} methods x {reps + 1} runs (one warm-up): "
+            f"about {_duration(seconds)} on this machine (rough; the progress line refines it)")
         emit = br.markdown(columns, out, width)
-        progress = br.Progress(len(SEGMENTS) * 2, "cases")
+        # One step per round of every method, so a long case shows progress too.
+        progress = br.Progress(len(SEGMENTS) * 2 * (reps + 1), "rounds")
         for seg in SEGMENTS:
             for shuffled in (False, True):
                 table = _table(total, seg, shuffled, rng)
-                times = _measure(_runs(src, local, table, pairs, raw, nixls), reps)
-                gbs = {k: total / statistics.median(t) / 1e9 for k, t in times.items()}
                 name = f"{total // seg} x {_size(seg)} {'shuffled' if shuffled else 'contiguous'}"
+                times = _measure(_runs(src, local, table, pairs, raw, nixls), reps,
+                                 lambda i, name=name: progress.step(
+                                     f"{name}: {'warm-up' if not i else f'run {i} of {reps}'}"))
+                gbs = {k: total / statistics.median(t) / 1e9 for k, t in times.items()}
                 for method, seconds in times.items():
                     if report is not None:
                         report.sample(case=name, segment_bytes=seg, shuffled=shuffled,
                                       method=method, seconds=seconds, bytes=total)
                 results.append({"case": name, "segment_bytes": seg, "shuffled": shuffled, **gbs})
                 emit(_row(name, gbs, pairs, table))
-                progress.step(name)
         emit.close()
         streams = pairs["tcp"].tx.streams if "tcp" in pairs else 0
         meanings = legend(columns, streams, processes)
@@ -348,6 +387,10 @@ def plot(results: list[dict], path, note: str) -> None:
         axes[0].set_ylabel("GB/s (log)")
 
     br.figure(path, draw, "pdxfer bench transport: GB/s against segment size", note)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _size(n: int) -> str:
