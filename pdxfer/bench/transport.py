@@ -51,10 +51,22 @@ from pdxfer import transport
 
 from ..cliargs import bounded_int
 from . import report as br
-from .peer import CHILD_NOTE, ChildPeer, LocalPeer
+from .peer import (
+    CHILD_NOTE,
+    OPS,
+    ChildPeer,
+    LocalPeer,
+    MismatchError,
+    NetPeer,
+    Receiver,
+    add_two_host_args,
+    check_two_host_args,
+    listen,
+    log,
+)
 from .rawnixl import RawNixlPair
 
-Peer = LocalPeer | ChildPeer
+Peer = LocalPeer | ChildPeer | NetPeer
 Run = tuple[Callable[[], None], int, Peer]
 RAW_TCP, RAW_DEFAULT = "raw NIXL (tcp)", "raw NIXL (UCX default)"
 
@@ -139,8 +151,8 @@ class _RawPair:
 
     def __init__(self, peer: Peer) -> None:
         self.peer = peer
-        port = peer.call("raw_listen")
-        self.tx = socket.create_connection(("127.0.0.1", port))
+        host, port = peer.call("raw_listen")
+        self.tx = socket.create_connection((host, port))
         self.tx.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer.call("raw_accept")
         self.rows: list[list[int]] = []
@@ -169,7 +181,7 @@ class _EnginePair:
 
     def __init__(self, backend: str, src: np.ndarray, local: LocalPeer, remote: Peer,
                  **options: object) -> None:
-        self.tx = transport.create(backend, **options)
+        self.tx = transport.create(backend, host=getattr(remote, "local", "127.0.0.1"), **options)
         self.peer = peer = remote if self.tx.capabilities.cross_process else local
         self.local = self.tx.register(torch.from_numpy(src))
         far = peer.call("engine", backend=backend, options=options)
@@ -211,9 +223,13 @@ def _runs(src: np.ndarray, local: LocalPeer, table: np.ndarray, pairs: dict[str,
     return runs
 
 
-def legend(columns: list[str], streams: int, processes: int = 1) -> dict[str, str]:
+def legend(columns: list[str], streams: int, processes: int = 1,
+           other_host: str = "") -> dict[str, str]:
     """What each printed column means (GB/s unless a ratio)."""
-    where = "both sides in this process" if processes == 1 else CHILD_NOTE.lstrip("; ")
+    where = ("both sides in this process" if processes == 1 else CHILD_NOTE.lstrip("; "))
+    if other_host:
+        where = (f"receiving side on the --listen host {other_host} (memcpy, memcpy/seg and "
+                 "loopback stay on this host: the local ceilings)")
     fixed = {
         "case": (f"segments x segment size; contiguous: row i -> slot i, shuffled: destination slots "
                  f"permuted; {where}"),
@@ -222,7 +238,7 @@ def legend(columns: list[str], streams: int, processes: int = 1) -> dict[str, st
         "loopback": "one write of the whole table between two loopback engines, GB/s",
         "loopback/memcpy": "loopback GB/s over memcpy GB/s",
         "loopback/(memcpy/seg)": "loopback GB/s over memcpy/seg GB/s",
-        "raw socket": "one TCP connection on 127.0.0.1, one sendall + recv_into loop per segment, GB/s",
+        "raw socket": "one TCP connection (over 127.0.0.1, or to the --listen host), one sendall + recv_into loop per segment, GB/s",
         f"tcp ({streams} streams)": "one write between two tcp engines (default stream count), GB/s",
         "tcp/raw": "tcp GB/s over raw socket GB/s",
         "tcp 1 stream": "one write between two tcp engines with streams=1, GB/s",
@@ -312,17 +328,19 @@ def _row(name: str, gbs: dict[str, float], pairs: dict[str, _EnginePair], table:
 
 def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
         report: br.Report | None = None, processes: int = 1,
-        width: int = 0) -> list[dict[str, float | str]]:
+        width: int = 0, remote: NetPeer | None = None) -> list[dict[str, float | str]]:
     """Measure every case, print one markdown table and its legend; return GB/s per case.
 
     `processes=2` puts every receiving endpoint except loopback's (an
-    in-process backend by definition) in a child process. A table wider than
-    `width` prints as several, each led by `case`.
+    in-process backend by definition) in a child process; `remote` (the
+    two-host mode) puts them on the `--listen` host instead, and closes it at
+    the end. A table wider than `width` prints as several, each led by `case`.
     """
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, total, dtype=np.uint8)
     local = LocalPeer(total)
-    remote: Peer = local if processes == 1 else ChildPeer(total)
+    if remote is None:
+        remote = local if processes == 1 else ChildPeer(total)
     columns = ["case", "memcpy", "memcpy/seg"]
     pairs: dict[str, _EnginePair] = {}
     nixls: dict[str, RawNixlPair] = {}
@@ -353,7 +371,8 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
                 emit(_row(name, gbs, pairs, table))
         emit.close()
         streams = pairs["tcp"].tx.streams if "tcp" in pairs else 0
-        meanings = legend(columns, streams, processes)
+        meanings = legend(columns, streams, processes,
+                          remote.address if isinstance(remote, NetPeer) else "")
         if report is not None:
             report.finish(meanings, columns, results, out)
         else:
@@ -411,19 +430,35 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated backends (default: every installed one)")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: receivers in a child process, as deployed (default 1: one process)")
+    add_two_host_args(parser)
     br.add_output_args(parser)
     args = parser.parse_args(argv)
     total = (4 if args.tiny else 32 if args.quick else args.total_mib) * MiB
     reps = 1 if args.tiny else args.reps
     backends = br.backends_arg(parser, args.backends, variants=True, tiny=args.tiny)  # + nixl-all
+    check_two_host_args(parser, args)
     br.check_outputs(parser, args)
+    # What both hosts must agree on (the hello compares them).
+    same = {"total_bytes": total, "reps": reps, "backends": backends}
+    if args.listen is not None:
+        return listen(*args.listen, "transport", same, lambda host: Receiver(total, host),
+                      OPS, log)
+    remote = None
+    if args.connect is not None:
+        try:
+            remote = NetPeer(*args.connect, "transport", same)
+        except MismatchError as exc:
+            parser.error(f"--connect {args.connect[0]}:{args.connect[1]}: {exc}")
+    where = (f"receiving on {remote.address}" if remote is not None else
+             f"{args.processes} process{'es' if args.processes > 1 else ''}")
     report = br.Report("transport", backends,
-                       {"total_bytes": total, "reps": reps, "processes": args.processes})
+                       {"total_bytes": total, "reps": reps, "processes": args.processes,
+                        "connect": remote.address if remote is not None else None})
     print(f"# pdxfer bench transport: {total // MiB} MiB per case, median of {reps} runs, GB/s, "
-          f"{args.processes} process{'es' if args.processes > 1 else ''}")
+          f"{where}")
     print(br.machine_line())
     results = run(total, reps, backends, lambda line: print(line, flush=True), report,
-                  args.processes, br.terminal_width(args.width))
+                  args.processes, br.terminal_width(args.width), remote)
     report.write(args.json, report.data["columns"])
     if args.plot is not None:
         plot(results, args.plot, report.note(f"{total // MiB} MiB per case, median of {reps}, "
