@@ -152,6 +152,7 @@ class _RawPair:
     def __init__(self, peer: Peer) -> None:
         self.peer = peer
         host, port = peer.call("raw_listen")
+        self.where = host  # where the receiving side listened (the --json says)
         self.tx = socket.create_connection((host, port))
         self.tx.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer.call("raw_accept")
@@ -186,7 +187,9 @@ class _EnginePair:
         self.local = self.tx.register(torch.from_numpy(src))
         far = peer.call("engine", backend=backend, options=options)
         self.remote = far["descriptor"]
-        self.conn = self.tx.connect(far["address"])
+        address = far["address"]
+        self.where = address.get("host", "") if isinstance(address, dict) else ""
+        self.conn = self.tx.connect(address)
 
     def move(self, table: np.ndarray) -> None:
         self.conn.write(self.local, self.remote, table).wait(120)
@@ -348,6 +351,9 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
     results: list[dict[str, float | str]] = []
     try:
         raw = _pairs(backends, src, local, remote, columns, pairs, nixls)
+        if report is not None:  # where each receiving endpoint listened: the two-host check
+            report.data["endpoints"] = {**{k: p.where for k, p in pairs.items()},
+                                        **({"raw socket": raw.where} if raw else {})}
         methods = len(pairs) + len(nixls) + 2 + (raw is not None)
         seconds = estimate(total, reps, methods, 1 + (raw is not None))
         out(f"# {len(SEGMENTS) * 2} cases x {methods} methods x {reps + 1} runs (one warm-up): "

@@ -86,6 +86,8 @@ def test_the_same_command_on_two_addresses_measures_between_them(
     assert lines[-1] == "# the run from 127.0.0.1 finished", lines
     data = json.loads(path.read_text())
     assert data["params"]["connect"] == f"{LISTEN}:{port}" and data["samples"]
+    if bench == "transport":  # every receiving endpoint listened on the other address
+        assert data["endpoints"] == {"tcp": LISTEN, "tcp 1 stream": LISTEN, "raw socket": LISTEN}
 
 
 @pytest.mark.timeout(600)
