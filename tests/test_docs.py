@@ -331,3 +331,13 @@ def test_paths_the_docs_name_exist() -> None:
                     missing.append(f"{where} `{path}::{test}`")
     assert not outside, f"paths outside the repository at {outside}: cite the source instead"
     assert not missing, "named in the docs but not in the repository: " + "; ".join(missing)
+
+
+def test_a_comment_before_a_block_marks_every_line_not_run(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"  # blocks() names places relative to ROOT: not called here
+    page.write_text("text\n\n<!-- not run here: needs two hosts for this -->\n\n```sh\n"
+                    "pdxfer a\npdxfer b   # a comment\n```\n\n```sh\npdxfer c\n```\n")
+    marked, plain = (commands(b) for b in blocks(page))
+    assert [(c.text, c.reason) for c in marked] == [
+        ("pdxfer a", "needs two hosts for this"), ("pdxfer b   # a comment", "needs two hosts for this")]
+    assert [c.reason for c in plain] == [None]  # the mark is the block's, not the page's
