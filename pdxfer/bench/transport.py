@@ -401,13 +401,14 @@ def plot(results: list[dict], path, note: str) -> None:
         for ax, shuffled in zip(axes, (False, True), strict=True):
             mine = sorted((r for r in results if r["shuffled"] == shuffled),
                           key=lambda r: r["segment_bytes"])
-            xs = [r["segment_bytes"] / 1024 for r in mine]
-            for m in methods:
-                style = {"ls": "--", "c": "grey"} if m == "memcpy" else {"marker": "o"}
-                ax.plot(xs, [r[m] for r in mine], label=m, **style)
+            xs = [r["segment_bytes"] for r in mine]
+            for m in methods:  # colour and marker per method: report.unify
+                ax.plot(xs, [r[m] for r in mine], label=m, ls="--" if m == "memcpy" else "-")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_xlabel("segment size (KiB)")
+            ax.set_xticks(xs, [_size(x) for x in xs])  # 4 KiB, 64 KiB, 4 MiB
+            ax.minorticks_off()
+            ax.set_xlabel("segment size")
             ax.set_title("shuffled destinations" if shuffled else "contiguous", fontsize=9)
         axes[0].set_ylabel("GB/s (log)")
 
