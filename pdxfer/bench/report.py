@@ -335,10 +335,15 @@ def unify(fig: Any) -> None:
             line.set_marker(marker)
     panels = [ax for ax in fig.axes if ax.has_data()]
     if any(ax.get_yscale() == "log" for ax in panels):
+        from matplotlib.ticker import FuncFormatter
+
+        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 0.2, 1, 2000, not 2 x 10^-1
         for ax in panels:
             if ax.get_yscale() != "log":
                 ax.set_yscale("log")
                 ax.set_ylabel((ax.get_ylabel() or "") + " (log)")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
 
 
 def figure_problems(fig: Any) -> list[str]:
