@@ -346,6 +346,21 @@ def unify(fig: Any) -> None:
             ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
 
 
+def human_bytes(n: float) -> str:
+    """4096 -> '4 KiB', 4194304 -> '4 MiB': tick labels a reader need not convert."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n:g} B"
+
+
+def bytes_axis(ax: Any, scale: float = 1.0) -> None:
+    """Label `ax`'s x ticks in KiB/MiB; its values are bytes divided by `scale`."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v * scale)))
+
+
 def figure_problems(fig: Any) -> list[str]:
     """What breaks the figure rules: two labels sharing a style, one label in two styles,
     panels on different y scales. Empty when the figure is fine (the figure test asks)."""
