@@ -18,7 +18,7 @@ import urllib.parse
 from collections.abc import Callable
 
 __all__ = ["bounded_float", "bounded_int", "byte_size", "check_ports_free", "device_name",
-           "etcd_url", "int_list", "name_list", "positive_float"]
+           "etcd_url", "host_port", "int_list", "listen_address", "name_list", "positive_float"]
 
 
 def bounded_int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -119,6 +119,40 @@ def name_list(text: str) -> list[str]:
 
 def _twice(items: list[str]) -> str:
     return next(item for i, item in enumerate(items) if item in items[:i])
+
+
+def _port(text: str, whole: str, minimum: int) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{whole!r}: the port {text!r} is not a number")
+    port = int(text)
+    if not minimum <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{whole!r}: port {port} is out of range; it must be "
+                                         f"{minimum}..65535")
+    return port
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """An argparse `type` for `--connect HOST:PORT` (`[v6]:PORT` too): `(host, port)`."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"{text!r} has no {'host' if sep else 'port'}; "
+                                         "give HOST:PORT (e.g. 10.0.0.2:7400)")
+    return host, _port(port, text, 1)
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """An argparse `type` for `--listen [HOST:]PORT`: `(host, port)`; every address by default.
+
+    Port 0 lets the kernel pick one (the listener prints it).
+    """
+    if ":" not in text:
+        return "0.0.0.0", _port(text, text, 0)
+    host, _, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host:
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty host; give PORT or HOST:PORT")
+    return host, _port(port, text, 0)
 
 
 def etcd_url(text: str) -> str:

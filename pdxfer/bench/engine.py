@@ -49,8 +49,18 @@ from ..errors import TransferTimeout
 from ..prefill import PrefillEngine
 from . import report as br
 from . import workload
-from .decode_peer import LocalDecode
-from .peer import ChildPeer, crosses_processes
+from .decode_peer import OPS as DECODE_OPS
+from .decode_peer import DecodeSide, LocalDecode
+from .peer import (
+    ChildPeer,
+    MismatchError,
+    NetPeer,
+    add_two_host_args,
+    check_two_host_args,
+    crosses_processes,
+    listen,
+    log,
+)
 from .probes import Split, probe_prefill
 from .workload import ENTRIES, KINDS, KV_FIELDS, TINY_ENTRIES
 
@@ -84,10 +94,15 @@ def _await_expect(prefill: PrefillEngine, rid: str, timeout: float) -> None:
         time.sleep(0.0002)
 
 
+def _here(decode: Any) -> str:
+    """The address this side's engines listen on: where the other host reached us, else loopback."""
+    return getattr(decode, "local", "127.0.0.1")
+
+
 def _bench_engine(backend: str, kind: str, reqs: list, batch: int, decode: Any,
                   entries: tuple[int, int] = ENTRIES) -> dict[str, Any]:
     """The engine pass of one configuration; `decode` (a `_decode_side`) is reset after it."""
-    cfg = EngineConfig(transport=backend, timeout=30.0)
+    cfg = EngineConfig(transport=backend, timeout=30.0, host=_here(decode))
     kv_n, st_n = entries
     prefill = PrefillEngine(workload.pools(kind, kv_n, st_n), cfg)
     rows, busy, cpu, segs, transfers = [], 0.0, 0.0, [], set()
@@ -143,7 +158,7 @@ def _bench_transport(backend: str, kind: str, reqs: list, batch: int, b: Any,
     """The bare transport pass; its receiving engine lives in `b` (a `_decode_side`), reset after."""
     kv_n, st_n = entries
     src, dst = workload.pools(kind, kv_n, st_n), workload.pools(kind, kv_n, st_n)
-    a = transport.create(backend)
+    a = transport.create(backend, host=_here(b))
     try:
         local = {p: [a.register(buf) for buf in layout.arena_buffers(arena)] for p, arena in src.items()}
         far = b.call("bare", backend=backend, kind=kind, kv_entries=kv_n, state_entries=st_n)
@@ -256,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated kv layouts (default: all of {', '.join(KINDS)})")
     parser.add_argument("--tiny", action="store_true",
                         help="6 requests, 3 in flight, loopback and tcp unless --backends says: a smoke run")
+    add_two_host_args(parser)
     br.add_output_args(parser)
     args = parser.parse_args(argv)
     kinds = KINDS if args.layouts is None else tuple(args.layouts)
@@ -265,12 +281,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.requests, args.batch = 6, 3
     backends = br.backends_arg(parser, args.backends, tiny=args.tiny)
+    check_two_host_args(parser, args)
     br.check_outputs(parser, args)
+    same = {"requests": args.requests, "batch": args.batch, "backends": backends,
+            "layouts": list(kinds), "entries": list(entries)}
+    if args.listen is not None:
+        return listen(*args.listen, "engine", same, DecodeSide, DECODE_OPS, log)
+    net = None
+    if args.connect is not None:
+        try:
+            net = NetPeer(*args.connect, "engine", same)
+        except MismatchError as exc:
+            parser.error(f"--connect {args.connect[0]}:{args.connect[1]}: {exc}")
     report = br.Report("engine", backends, {"requests": args.requests, "batch": args.batch,
-                                         "pages": workload.PAGES, "processes": args.processes})
+                                         "pages": workload.PAGES, "processes": args.processes,
+                                         "connect": net.address if net is not None else None})
     reqs = workload.requests(args.requests, *entries, seed=0)
+    where = (f"the decode side on {net.address}" if net is not None else
+             f"{args.processes} process(es)")
     print(f"requests of {workload.describe()}; {args.requests} requests, "
-          f"{args.batch} in flight; medians per request; {args.processes} process(es)")
+          f"{args.batch} in flight; medians per request; {where}")
     print(br.machine_line())
     print()
     emit = br.markdown(list(COLUMNS), lambda line: print(line, flush=True),
@@ -278,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     progress = br.Progress(len(backends) * len(kinds), "configurations")
     rows = []
     for backend in backends:
-        decode = _decode_side(backend, args.processes)  # one child per backend, reset in between
+        # one child per backend (one --listen host for the run), reset in between
+        decode = net if net is not None and crosses_processes(backend) else \
+            _decode_side(backend, args.processes)
         try:
             for kind in kinds:
                 row, wrs = _configuration(backend, kind, reqs, args.batch, decode, entries, report)
@@ -296,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
                       "WRs/doorbells": wrs})
                 progress.step(f"{backend} {kind}")
         finally:
-            decode.close()
+            if decode is not net:
+                decode.close()
+    if net is not None:
+        net.close()
     emit.close()
     br.print_legend(COLUMNS, list(COLUMNS))
     report.write(args.json, COLUMNS)

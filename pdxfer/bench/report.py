@@ -304,6 +304,93 @@ def log_if_dwarfed(ax: Any, values: Iterable[float], ratio: float = 20.0) -> Non
         ax.set_ylabel((ax.get_ylabel() or "") + " (log)")
 
 
+# Every labelled series of a figure gets its own (colour, marker): matplotlib's
+# default cycle has 10 colours, and the transport figure draws a dozen series,
+# so pairs of them shared a colour. tab20's colours with ten markers keep 20
+# series apart by colour and any two apart by the pair.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", "h")
+
+
+def style(i: int) -> tuple[Any, str]:
+    """The `i`-th series' (colour, marker) of a figure."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](i % 20), _MARKERS[i % len(_MARKERS)]
+
+
+def unify(fig: Any) -> None:
+    """One style per label across the figure's lines, and one y scale across its panels.
+
+    A panel that went log (`log_if_dwarfed`) takes every panel with data to
+    log, so a reader never compares a linear panel with a log one.
+    """
+    labels: dict[str, tuple[Any, str]] = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            label = line.get_label()
+            if label.startswith("_"):
+                continue
+            color, marker = labels.setdefault(label, style(len(labels)))
+            line.set_color(color)
+            line.set_marker(marker)
+    panels = [ax for ax in fig.axes if ax.has_data()]
+    if any(ax.get_yscale() == "log" for ax in panels):
+        from matplotlib.ticker import FuncFormatter
+
+        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 0.2, 1, 2000, not 2 x 10^-1
+        for ax in panels:
+            if ax.get_yscale() != "log":
+                ax.set_yscale("log")
+                ax.set_ylabel((ax.get_ylabel() or "") + " (log)")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
+def human_bytes(n: float) -> str:
+    """4096 -> '4 KiB', 4194304 -> '4 MiB': tick labels a reader need not convert."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n:g} B"
+
+
+def bytes_axis(ax: Any, scale: float = 1.0) -> None:
+    """Label `ax`'s x ticks in KiB/MiB; its values are bytes divided by `scale`."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v * scale)))
+
+
+def figure_problems(fig: Any) -> list[str]:
+    """What breaks the figure rules: two labels sharing a style, one label in two styles,
+    panels on different y scales. Empty when the figure is fine (the figure test asks)."""
+    problems: list[str] = []
+    seen: dict[str, tuple] = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            label = line.get_label()
+            if label.startswith("_"):
+                continue
+            key = (tuple(matplotlib_rgba(line.get_color())), line.get_marker(), line.get_linestyle())
+            if seen.setdefault(label, key) != key:
+                problems.append(f"{label!r} is drawn in two styles")
+    by_style: dict[tuple, list[str]] = {}
+    for label, key in seen.items():
+        by_style.setdefault(key, []).append(label)
+    problems += [f"{', '.join(map(repr, ls))} share one style" for ls in by_style.values() if len(ls) > 1]
+    scales = {ax.get_yscale() for ax in fig.axes if ax.has_data()}
+    if len(scales) > 1:
+        problems.append(f"panels on different y scales: {sorted(scales)}")
+    return problems
+
+
+def matplotlib_rgba(color: Any) -> tuple[float, ...]:
+    """`color` as an RGBA tuple (a name and its hex compare equal)."""
+    from matplotlib.colors import to_rgba
+
+    return to_rgba(color)
+
+
 def compose(plt: Any, draw: Callable[[Any], None], title: str, note: str = "") -> Any:
     """Run `draw(pyplot)`, then title it and put one legend beside the axes; returns the figure.
 
@@ -313,6 +400,7 @@ def compose(plt: Any, draw: Callable[[Any], None], title: str, note: str = "") -
     """
     draw(plt)
     fig = plt.gcf()
+    unify(fig)
     handles: dict[str, Any] = {}
     for ax in fig.axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):

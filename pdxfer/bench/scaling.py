@@ -172,10 +172,11 @@ def plot(rows: list[dict], path, note: str) -> None:
                     axes[1][col].plot(xs, [r["us"] for r in mine], style, label=f"{backend} {name}")
             axes[0][col].set_title(pool + (" (64 KiB each)" if pool == "kv pages" else " (one entry)"),
                                    fontsize=9)
-            axes[1][col].set_xlabel("request size (KiB)")
+            axes[1][col].set_xlabel("request size")
             for ax in (axes[0][col], axes[1][col]):
                 ax.set_xscale("log", base=2)
                 ax.set_yscale("log")
+                br.bytes_axis(ax, KiB)  # 64 KiB, 1 MiB, not 2^6
         axes[0][0].set_ylabel("GB/s (log)")
         axes[1][0].set_ylabel("us per request (log)")
 

@@ -51,10 +51,22 @@ from pdxfer import transport
 
 from ..cliargs import bounded_int
 from . import report as br
-from .peer import CHILD_NOTE, ChildPeer, LocalPeer
+from .peer import (
+    CHILD_NOTE,
+    OPS,
+    ChildPeer,
+    LocalPeer,
+    MismatchError,
+    NetPeer,
+    Receiver,
+    add_two_host_args,
+    check_two_host_args,
+    listen,
+    log,
+)
 from .rawnixl import RawNixlPair
 
-Peer = LocalPeer | ChildPeer
+Peer = LocalPeer | ChildPeer | NetPeer
 Run = tuple[Callable[[], None], int, Peer]
 RAW_TCP, RAW_DEFAULT = "raw NIXL (tcp)", "raw NIXL (UCX default)"
 
@@ -79,12 +91,14 @@ def _expected_crc(src: np.ndarray, table: np.ndarray) -> int:
     return zlib.crc32(out)
 
 
-def _measure(runs: dict[str, Run], reps: int) -> dict[str, list[float]]:
+def _measure(runs: dict[str, Run], reps: int,
+             tick: Callable[[int], None] = lambda i: None) -> dict[str, list[float]]:
     """Seconds of each timed run by method, every run verified by crc32 of its destination.
 
     The methods take turns within each repetition rather than running their
     reps back to back, so a burst of load from other processes on a shared
-    machine hits all of them alike and the ratios stay fair.
+    machine hits all of them alike and the ratios stay fair. `tick(i)` is
+    called after round `i` (0: the warm-up), so progress shows within a case.
     """
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(reps + 1):
@@ -98,7 +112,38 @@ def _measure(runs: dict[str, Run], reps: int) -> dict[str, list[float]]:
                 raise SystemExit(f"{name}: run {i} moved wrong bytes (crc32 {got:#x}, expected {crc:#x})")
             if i:  # round 0 warms caches, page tables and connections
                 times[name].append(elapsed)
+        tick(i)
     return times
+
+
+# What the up-front estimate assumes per segment of a per-segment method
+# (memcpy/seg, raw socket: a Python loop iteration each) and per byte of a
+# run beyond one pass over the buffer (zero, copy, crc32). Rough on purpose:
+# the progress line's ETA, from measured rounds, replaces it within seconds.
+_EST_SEGMENT_S = 2e-6
+_EST_PASSES = 4
+
+
+def estimate(total: int, reps: int, methods: int, per_segment_methods: int) -> float:
+    """Seconds a run should take, scaled by one timed pass over a `total`-byte buffer here.
+
+    Every method of every case runs `reps + 1` times; each run costs a few
+    passes over the buffer (zero it, move it, crc32 it), and the per-segment
+    methods a Python iteration per segment on top.
+    """
+    buf = np.ones(total, dtype=np.uint8)
+    out = np.empty_like(buf)
+    t0 = time.perf_counter()
+    np.copyto(out, buf)
+    zlib.crc32(out)
+    one_pass = (time.perf_counter() - t0) / 2
+    rounds = (reps + 1) * 2  # contiguous and shuffled
+    seconds = 0.0
+    for seg in SEGMENTS:
+        seconds += rounds * (methods * _EST_PASSES * one_pass
+                             + per_segment_methods * (total // seg) * _EST_SEGMENT_S)
+        seconds += 2 * (total // seg) * _EST_SEGMENT_S  # each case's expected crc32, a loop too
+    return seconds
 
 
 class _RawPair:
@@ -106,8 +151,9 @@ class _RawPair:
 
     def __init__(self, peer: Peer) -> None:
         self.peer = peer
-        port = peer.call("raw_listen")
-        self.tx = socket.create_connection(("127.0.0.1", port))
+        host, port = peer.call("raw_listen")
+        self.where = host  # where the receiving side listened (the --json says)
+        self.tx = socket.create_connection((host, port))
         self.tx.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer.call("raw_accept")
         self.rows: list[list[int]] = []
@@ -136,12 +182,14 @@ class _EnginePair:
 
     def __init__(self, backend: str, src: np.ndarray, local: LocalPeer, remote: Peer,
                  **options: object) -> None:
-        self.tx = transport.create(backend, **options)
+        self.tx = transport.create(backend, host=getattr(remote, "local", "127.0.0.1"), **options)
         self.peer = peer = remote if self.tx.capabilities.cross_process else local
         self.local = self.tx.register(torch.from_numpy(src))
         far = peer.call("engine", backend=backend, options=options)
         self.remote = far["descriptor"]
-        self.conn = self.tx.connect(far["address"])
+        address = far["address"]
+        self.where = address.get("host", "") if isinstance(address, dict) else ""
+        self.conn = self.tx.connect(address)
 
     def move(self, table: np.ndarray) -> None:
         self.conn.write(self.local, self.remote, table).wait(120)
@@ -178,9 +226,13 @@ def _runs(src: np.ndarray, local: LocalPeer, table: np.ndarray, pairs: dict[str,
     return runs
 
 
-def legend(columns: list[str], streams: int, processes: int = 1) -> dict[str, str]:
+def legend(columns: list[str], streams: int, processes: int = 1,
+           other_host: str = "") -> dict[str, str]:
     """What each printed column means (GB/s unless a ratio)."""
-    where = "both sides in this process" if processes == 1 else CHILD_NOTE.lstrip("; ")
+    where = ("both sides in this process" if processes == 1 else CHILD_NOTE.lstrip("; "))
+    if other_host:
+        where = (f"receiving side on the --listen host {other_host} (memcpy, memcpy/seg and "
+                 "loopback stay on this host: the local ceilings)")
     fixed = {
         "case": (f"segments x segment size; contiguous: row i -> slot i, shuffled: destination slots "
                  f"permuted; {where}"),
@@ -189,7 +241,7 @@ def legend(columns: list[str], streams: int, processes: int = 1) -> dict[str, st
         "loopback": "one write of the whole table between two loopback engines, GB/s",
         "loopback/memcpy": "loopback GB/s over memcpy GB/s",
         "loopback/(memcpy/seg)": "loopback GB/s over memcpy/seg GB/s",
-        "raw socket": "one TCP connection on 127.0.0.1, one sendall + recv_into loop per segment, GB/s",
+        "raw socket": "one TCP connection (over 127.0.0.1, or to the --listen host), one sendall + recv_into loop per segment, GB/s",
         f"tcp ({streams} streams)": "one write between two tcp engines (default stream count), GB/s",
         "tcp/raw": "tcp GB/s over raw socket GB/s",
         "tcp 1 stream": "one write between two tcp engines with streams=1, GB/s",
@@ -279,17 +331,19 @@ def _row(name: str, gbs: dict[str, float], pairs: dict[str, _EnginePair], table:
 
 def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
         report: br.Report | None = None, processes: int = 1,
-        width: int = 0) -> list[dict[str, float | str]]:
+        width: int = 0, remote: NetPeer | None = None) -> list[dict[str, float | str]]:
     """Measure every case, print one markdown table and its legend; return GB/s per case.
 
     `processes=2` puts every receiving endpoint except loopback's (an
-    in-process backend by definition) in a child process. A table wider than
-    `width` prints as several, each led by `case`.
+    in-process backend by definition) in a child process; `remote` (the
+    two-host mode) puts them on the `--listen` host instead, and closes it at
+    the end. A table wider than `width` prints as several, each led by `case`.
     """
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, total, dtype=np.uint8)
     local = LocalPeer(total)
-    remote: Peer = local if processes == 1 else ChildPeer(total)
+    if remote is None:
+        remote = local if processes == 1 else ChildPeer(total)
     columns = ["case", "memcpy", "memcpy/seg"]
     pairs: dict[str, _EnginePair] = {}
     nixls: dict[str, RawNixlPair] = {}
@@ -297,24 +351,34 @@ def run(total: int, reps: int, backends: list[str], out: Callable[[str], None],
     results: list[dict[str, float | str]] = []
     try:
         raw = _pairs(backends, src, local, remote, columns, pairs, nixls)
+        if report is not None:  # where each receiving endpoint listened: the two-host check
+            report.data["endpoints"] = {**{k: p.where for k, p in pairs.items()},
+                                        **({"raw socket": raw.where} if raw else {})}
+        methods = len(pairs) + len(nixls) + 2 + (raw is not None)
+        seconds = estimate(total, reps, methods, 1 + (raw is not None))
+        out(f"# {len(SEGMENTS) * 2} cases x {methods} methods x {reps + 1} runs (one warm-up): "
+            f"about {_duration(seconds)} on this machine (rough; the progress line refines it)")
         emit = br.markdown(columns, out, width)
-        progress = br.Progress(len(SEGMENTS) * 2, "cases")
+        # One step per round of every method, so a long case shows progress too.
+        progress = br.Progress(len(SEGMENTS) * 2 * (reps + 1), "rounds")
         for seg in SEGMENTS:
             for shuffled in (False, True):
                 table = _table(total, seg, shuffled, rng)
-                times = _measure(_runs(src, local, table, pairs, raw, nixls), reps)
-                gbs = {k: total / statistics.median(t) / 1e9 for k, t in times.items()}
                 name = f"{total // seg} x {_size(seg)} {'shuffled' if shuffled else 'contiguous'}"
+                times = _measure(_runs(src, local, table, pairs, raw, nixls), reps,
+                                 lambda i, name=name: progress.step(
+                                     f"{name}: {'warm-up' if not i else f'run {i} of {reps}'}"))
+                gbs = {k: total / statistics.median(t) / 1e9 for k, t in times.items()}
                 for method, seconds in times.items():
                     if report is not None:
                         report.sample(case=name, segment_bytes=seg, shuffled=shuffled,
                                       method=method, seconds=seconds, bytes=total)
                 results.append({"case": name, "segment_bytes": seg, "shuffled": shuffled, **gbs})
                 emit(_row(name, gbs, pairs, table))
-                progress.step(name)
         emit.close()
         streams = pairs["tcp"].tx.streams if "tcp" in pairs else 0
-        meanings = legend(columns, streams, processes)
+        meanings = legend(columns, streams, processes,
+                          remote.address if isinstance(remote, NetPeer) else "")
         if report is not None:
             report.finish(meanings, columns, results, out)
         else:
@@ -337,17 +401,22 @@ def plot(results: list[dict], path, note: str) -> None:
         for ax, shuffled in zip(axes, (False, True), strict=True):
             mine = sorted((r for r in results if r["shuffled"] == shuffled),
                           key=lambda r: r["segment_bytes"])
-            xs = [r["segment_bytes"] / 1024 for r in mine]
-            for m in methods:
-                style = {"ls": "--", "c": "grey"} if m == "memcpy" else {"marker": "o"}
-                ax.plot(xs, [r[m] for r in mine], label=m, **style)
+            xs = [r["segment_bytes"] for r in mine]
+            for m in methods:  # colour and marker per method: report.unify
+                ax.plot(xs, [r[m] for r in mine], label=m, ls="--" if m == "memcpy" else "-")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_xlabel("segment size (KiB)")
+            ax.set_xticks(xs, [_size(x) for x in xs])  # 4 KiB, 64 KiB, 4 MiB
+            ax.minorticks_off()
+            ax.set_xlabel("segment size")
             ax.set_title("shuffled destinations" if shuffled else "contiguous", fontsize=9)
         axes[0].set_ylabel("GB/s (log)")
 
     br.figure(path, draw, "pdxfer bench transport: GB/s against segment size", note)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _size(n: int) -> str:
@@ -368,19 +437,35 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated backends (default: every installed one)")
     parser.add_argument("--processes", type=bounded_int(1, 2), default=1,
                         help="2: receivers in a child process, as deployed (default 1: one process)")
+    add_two_host_args(parser)
     br.add_output_args(parser)
     args = parser.parse_args(argv)
     total = (4 if args.tiny else 32 if args.quick else args.total_mib) * MiB
     reps = 1 if args.tiny else args.reps
     backends = br.backends_arg(parser, args.backends, variants=True, tiny=args.tiny)  # + nixl-all
+    check_two_host_args(parser, args)
     br.check_outputs(parser, args)
+    # What both hosts must agree on (the hello compares them).
+    same = {"total_bytes": total, "reps": reps, "backends": backends}
+    if args.listen is not None:
+        return listen(*args.listen, "transport", same, lambda host: Receiver(total, host),
+                      OPS, log)
+    remote = None
+    if args.connect is not None:
+        try:
+            remote = NetPeer(*args.connect, "transport", same)
+        except MismatchError as exc:
+            parser.error(f"--connect {args.connect[0]}:{args.connect[1]}: {exc}")
+    where = (f"receiving on {remote.address}" if remote is not None else
+             f"{args.processes} process{'es' if args.processes > 1 else ''}")
     report = br.Report("transport", backends,
-                       {"total_bytes": total, "reps": reps, "processes": args.processes})
+                       {"total_bytes": total, "reps": reps, "processes": args.processes,
+                        "connect": remote.address if remote is not None else None})
     print(f"# pdxfer bench transport: {total // MiB} MiB per case, median of {reps} runs, GB/s, "
-          f"{args.processes} process{'es' if args.processes > 1 else ''}")
+          f"{where}")
     print(br.machine_line())
     results = run(total, reps, backends, lambda line: print(line, flush=True), report,
-                  args.processes, br.terminal_width(args.width))
+                  args.processes, br.terminal_width(args.width), remote)
     report.write(args.json, report.data["columns"])
     if args.plot is not None:
         plot(results, args.plot, report.note(f"{total // MiB} MiB per case, median of {reps}, "

@@ -61,6 +61,17 @@ HOSTILE = [
     ("bench layouts --backends pigeon", "backends ['pigeon'] are not installed"),
     ("bench tp --backends tcp,tcp", "names 'tcp' twice"),
     ("bench tp --heads 7", "--heads: 7 is out of range"),
+    ("bench transport --connect localhost", "--connect: 'localhost' has no port; give HOST:PORT"),
+    ("bench transport --connect :7400", "--connect: ':7400' has no host; give HOST:PORT"),
+    ("bench transport --connect h:x", "--connect: 'h:x': the port 'x' is not a number"),
+    ("bench engine --connect h:0", "--connect: 'h:0': port 0 is out of range; it must be 1..65535"),
+    ("bench transport --listen 70000", "--listen: '70000': port 70000 is out of range; it must be 0..65535"),
+    ("bench engine --listen x", "--listen: 'x': the port 'x' is not a number"),
+    ("bench transport --listen :7400", "--listen: ':7400' has an empty host"),
+    ("bench transport --listen 0 --connect h:1", "argument --connect: not allowed with argument --listen"),
+    ("bench transport --listen 0 --processes 2", "--processes 2 with --listen: the receiving side is"),
+    ("bench engine --connect h:1 --processes 2", "--processes 2 with --connect"),
+    ("bench transport --listen 0 --json /tmp/x.json", "--json with --listen: the results print on the --connect side"),
 ]
 
 
