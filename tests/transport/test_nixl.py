@@ -380,3 +380,32 @@ def test_a_write_still_waiting_for_its_producer_at_gone_is_refused_not_posted(
     with pytest.raises(RegistrationError, match=f"deregistered region {region.region_id} before write"):
         handle.wait(WAIT)
     assert (memory == CANARY).all()
+
+
+def test_close_keeps_the_agents_while_the_progress_thread_is_inside_a_round() -> None:
+    """Destroying a NIXL agent under a running round aborted the process ("Fatal Python error:
+    Aborted" in the suite: close in agent teardown while the thread was in `get_new_notifs`).
+
+    A round held past the 2 s stop bound (its poll blocked, as a slow NIXL call on a loaded host
+    holds it): the first close() must leave the agents alone, and a close() after the round
+    ended finishes the job.
+    """
+    rx = transport.create("nixl")
+    requests = rx._requests
+    poll, entered, leave = requests.poll, threading.Event(), threading.Event()
+
+    def slow_poll(*args, **kwargs):
+        entered.set()
+        leave.wait(60)
+        return poll(*args, **kwargs)
+
+    requests.poll = slow_poll
+    try:
+        rx._progress.kick()
+        assert entered.wait(WAIT)
+        rx.close()  # the round is still inside: the release step stays unfinished
+        assert rx._initiator.agent is not None, "the agent was destroyed under a running round"
+    finally:
+        leave.set()
+    rx.close()  # the round ends within the stop bound: now the agents go
+    assert rx._initiator.agent is None

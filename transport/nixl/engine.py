@@ -145,6 +145,14 @@ class NixlEngine(EngineBase):
                 "prepared_descriptors": self._initiator.prepared.descs}
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def release(self) -> None:
-        self._progress.stop(2.0)
+    def release(self) -> bool:
+        if not self._progress.stop(2.0):
+            # The progress thread is still inside a NIXL call on these agents (a slow round on a
+            # loaded host, or a stuck notify handler): destroying an agent under a running
+            # `get_new_notifs` aborts the whole process (seen in the suite: "Fatal Python error:
+            # Aborted" with close in `nixl_agent` teardown). Keep them; a later close() retries.
+            log.warning("nixl engine %s: progress thread still running at close; its agents are "
+                        "kept until it ends (close() again to retry)", self.engine_id)
+            return False
         self._initiator.close(before=self._requests.release_all)
+        return True
