@@ -166,7 +166,29 @@ def _check_anchor(raw: torch.Tensor | None, anchor_bytes: int, dtypes: Sequence[
             )
 
 
-class PageMajorMHAArena(EntryMajorArena):
+class _SGLangEnvelope(EntryMajorArena):
+    """What both page-major kinds share: the page geometry in the description, and no layer ranges."""
+
+    geometry: dict[str, Any]
+
+    def description(self) -> dict[str, Any]:
+        """The entry-major keys, plus the page geometry SGLang's pool was built from."""
+        desc = super().description()
+        desc["page"] = dict(self.geometry)
+        return desc
+
+    def _spans(self, checkpoint: bool, layers: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """No `layers` here: each layer is a field of its own (`k0`, `conv0`, ...), so a
+        layer range by field layer index would mean every field's only layer."""
+        if layers is not None:
+            raise LayoutError(
+                f"{type(self).__name__} declares each layer as a field of its own, so it cannot "
+                f"ship a layer range {layers!r}; ship whole pages (layers=None)"
+            )
+        return super()._spans(checkpoint, None)
+
+
+class PageMajorMHAArena(_SGLangEnvelope):
     """A paged MHA KV pool in SGLang's page-major layout; one entry is one page.
 
     `k_buffer[l]` / `v_buffer[l]` are `(num_pages, page_size, head_num,
@@ -219,25 +241,9 @@ class PageMajorMHAArena(EntryMajorArena):
         self.k_buffer = [self.view(f"k{layer}")[0] for layer in range(layer_num)]
         self.v_buffer = [self.view(f"v{layer}")[0] for layer in range(layer_num)]
 
-    def description(self) -> dict[str, Any]:
-        """The entry-major keys, plus the page geometry SGLang's pool was built from."""
-        desc = super().description()
-        desc["page"] = dict(self.geometry)
-        return desc
-
-    def _spans(self, checkpoint: bool, layers: tuple[int, int] | None) -> list[tuple[int, int]]:
-        """No `layers` here: each layer is a field of its own (`k0`, `k1`, ...), so a
-        layer range by field layer index would mean every field's only layer."""
-        if layers is not None:
-            raise LayoutError(
-                f"{type(self).__name__} declares each layer as a field of its own, so it cannot "
-                f"ship a layer range {layers!r}; ship whole pages (layers=None)"
-            )
-        return super()._spans(checkpoint, None)
 
 
-
-class PageMajorMambaArena(EntryMajorArena):
+class PageMajorMambaArena(_SGLangEnvelope):
     """A Mamba/GDN state pool in SGLang's per-slot envelope; one entry is one slot.
 
     `conv[i]` and `temporal` are `(layer_num, max_slots, *shape)` views, as
@@ -284,22 +290,6 @@ class PageMajorMambaArena(EntryMajorArena):
         self.max_slots = max_slots
         self.conv = [self.view(f"conv{i}") for i in range(len(fields) - 1)]
         self.temporal = self.view("temporal")
-
-    def description(self) -> dict[str, Any]:
-        """The entry-major keys, plus the page geometry SGLang's pool was built from."""
-        desc = super().description()
-        desc["page"] = dict(self.geometry)
-        return desc
-
-    def _spans(self, checkpoint: bool, layers: tuple[int, int] | None) -> list[tuple[int, int]]:
-        """No `layers` here: each layer is a field of its own (`k0`, `k1`, ...), so a
-        layer range by field layer index would mean every field's only layer."""
-        if layers is not None:
-            raise LayoutError(
-                f"{type(self).__name__} declares each layer as a field of its own, so it cannot "
-                f"ship a layer range {layers!r}; ship whole pages (layers=None)"
-            )
-        return super()._spans(checkpoint, None)
 
 
 
