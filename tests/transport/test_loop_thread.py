@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -120,11 +121,20 @@ def test_a_backend_whose_progress_round_raises_fails_its_links_writes_at_once(na
         rig.conn.write(rig.src_region, rig.remote, table).wait(WAIT)  # warm: the loop works
         progress = rig.tx._progress  # the test breaks the loop from inside: no public hook for that
 
+        entered = threading.Event()
+
         def broken() -> object:
+            entered.set()
             raise RuntimeError("injected round bug")
 
         progress._round = broken
         progress.kick()
+        # The write must come after the failure reached the link: on a loaded host a write
+        # posted before the broken round ran could complete (verbs-sim completes on post).
+        assert entered.wait(WAIT)
+        deadline = time.monotonic() + WAIT  # bounded: without the wiring nothing severs it
+        while rig.conn.error is None and time.monotonic() < deadline:
+            entered.wait(0.01)  # a poll: the sever has no event of its own to wait on
         with pytest.raises(TransportError, match=r"progress loop failed \(RuntimeError: injected "
                                                  r"round bug\)"):
             rig.conn.write(rig.src_region, rig.remote, table).wait(WAIT)
