@@ -1,0 +1,182 @@
+"""Force UCX's tcp teardown abort (#35.7): a peer dies between two workers' connection set-ups.
+
+Plain UCXX, no pdxfer engine: per run, two forked processes each make a
+UCX context (tls tcp, loopback) and one worker — the peer P and the victim
+V. The scenario is the one pdxfer's handshake makes: both workers create an
+endpoint to the other's worker address, `--first` says which side creates
+its endpoint first. P progresses its worker `--peer-steps` times after
+making its endpoint, then stops itself (SIGSTOP: its sockets stay open, its
+process cannot answer); V progresses `--victim-before` times; P is
+SIGKILLed (its sockets close); then V makes its own endpoint if it had not
+(`--victim-ep after`) and progresses for `--victim-after` s. A run
+*aborts* when V dies by a signal.
+
+    .venv/bin/python benchmarks/ucx_tcp_abort_repro.py --runs 20
+
+Prints one line per run setting and `runs N aborts A`; exits 1 if any run aborted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import sys
+import time
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--first", choices=("peer", "victim"), default="peer")
+    p.add_argument("--peer-steps", type=int, default=50)
+    p.add_argument("--victim-before", type=int, default=50)
+    p.add_argument("--victim-ep", choices=("before", "after", "none"), default="after")
+    p.add_argument("--victim-after", type=float, default=0.5)
+    p.add_argument("--keepalive", default=None, help="UCX KEEPALIVE_INTERVAL for both sides")
+    p.add_argument("--no-err-handling", action="store_true")
+    return p.parse_args(argv)
+
+
+def _send(fd: int, data: bytes) -> None:
+    os.write(fd, len(data).to_bytes(4, "little") + data)
+
+
+def _recv(fd: int, timeout: float = 30.0) -> bytes:
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while True:
+        if len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[:4], "little"):
+            return buf[4:4 + int.from_bytes(buf[:4], "little")]
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError("no answer")
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise EOFError("closed")
+        buf += chunk
+
+
+def _side(a: argparse.Namespace, victim: bool, r: int, w: int) -> None:
+    from pdxfer.transport.ucx import lib
+
+    ucx = lib.ucx
+    config = {"TLS": "tcp", "RNDV_THRESH": "inf", "NET_DEVICES": "lo"}
+    if a.keepalive:
+        config["KEEPALIVE_INTERVAL"] = a.keepalive
+    ctx = ucx.UCXContext(config, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+    wk = ucx.UCXWorker(ctx)
+    _send(w, bytes(wk.address))
+    other = ucx.UCXAddress.create_from_buffer(_recv(r))
+    eps = []
+
+    def connect() -> None:
+        eps.append(ucx.UCXEndpoint.create_from_worker_address(wk, other, not a.no_err_handling))
+
+    def progress(n: int) -> None:
+        for _ in range(n):
+            wk.progress()
+            time.sleep(0.001)
+
+    if not victim:
+        if a.first == "victim":
+            _recv(r)  # the victim made its endpoint
+        connect()
+        progress(a.peer_steps)
+        _send(w, b"stopping")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(60)
+        return
+    if a.first == "victim" or a.victim_ep == "before":
+        connect()
+        if a.first == "victim":
+            _send(w, b"made")
+    _recv(r)  # the peer stopped itself (after making its endpoint and progressing)
+    progress(a.victim_before)
+    _send(w, b"kill")
+    _recv(r)  # killed
+    if not eps and a.victim_ep == "after":
+        connect()
+    deadline = time.monotonic() + a.victim_after
+    while time.monotonic() < deadline:
+        wk.progress()
+        time.sleep(0.001)
+    for ep in eps:
+        if ep.alive:
+            ep.close_blocking()
+
+
+def _fork(a: argparse.Namespace, victim: bool) -> tuple[int, int, int]:
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(r1)
+            os.close(w2)
+            _side(a, victim, r2, w1)
+        except BaseException as exc:
+            sys.stderr.write(f"{'victim' if victim else 'peer'} failed: {type(exc).__name__}: {exc}\n")
+            code = 3
+        finally:
+            os._exit(code)
+    os.close(w1)
+    os.close(r2)
+    return pid, r1, w2
+
+
+def one_run(a: argparse.Namespace) -> str | None:
+    peer, p_r, p_w = _fork(a, victim=False)
+    vic, v_r, v_w = _fork(a, victim=True)
+    try:
+        p_addr, v_addr = _recv(p_r), _recv(v_r)
+        _send(v_w, p_addr)
+        _send(p_w, v_addr)
+        if a.first == "victim":
+            _send(p_w, _recv(v_r))
+        _send(v_w, _recv(p_r))  # "stopping"
+        while True:  # until the peer is stopped
+            done, status = os.waitpid(peer, os.WUNTRACED | os.WNOHANG)
+            if done and os.WIFSTOPPED(status):
+                break
+            time.sleep(0.001)
+        _recv(v_r)  # "kill"
+        os.kill(peer, signal.SIGKILL)
+        os.waitpid(peer, 0)
+        _send(v_w, b"killed")
+        _, status = os.waitpid(vic, 0)
+        if os.WIFSIGNALED(status):
+            return f"victim killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        if os.WEXITSTATUS(status):
+            return f"victim exit {os.WEXITSTATUS(status)} (not an abort)"
+        return None
+    finally:
+        for pid in (peer, vic):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        for fd in (p_r, p_w, v_r, v_w):
+            os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    import pdxfer.transport.ucx.lib  # noqa: F401  (UCXX loaded before the forks)
+
+    aborts = 0
+    for i in range(a.runs):
+        what = one_run(a)
+        if what is not None:
+            print(f"run {i + 1}: {what}", flush=True)
+            if "killed by" in what:
+                aborts += 1
+    print(f"runs {a.runs} aborts {aborts} ({vars(a)})", flush=True)
+    return 1 if aborts else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
