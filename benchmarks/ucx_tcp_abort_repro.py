@@ -34,8 +34,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--victim-before", type=int, default=50)
     p.add_argument("--victim-ep", choices=("before", "after", "none"), default="after")
     p.add_argument("--victim-after", type=float, default=0.5)
-    p.add_argument("--keepalive", default=None, help="UCX KEEPALIVE_INTERVAL for both sides")
-    p.add_argument("--no-err-handling", action="store_true")
+    p.add_argument("--ucx", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --bare: a UCX context option for both sides (TCP_CONN_NB=y); repeatable")
+    p.add_argument("--send", action="store_true",
+                   help="the victim posts a send on its new endpoint at once (queued: SIGABRT form)")
+    p.add_argument("--bare", action="store_true",
+                   help="UCX's own tcp options (with --ucx), not pdxfer's context")
+    p.add_argument("--cores", default=None, help="the victim dumps core into this directory")
     return p.parse_args(argv)
 
 
@@ -62,17 +67,19 @@ def _side(a: argparse.Namespace, victim: bool, r: int, w: int) -> None:
     from pdxfer.transport.ucx import lib
 
     ucx = lib.ucx
-    config = {"TLS": "tcp", "RNDV_THRESH": "inf", "NET_DEVICES": "lo"}
-    if a.keepalive:
-        config["KEEPALIVE_INTERVAL"] = a.keepalive
-    ctx = ucx.UCXContext(config, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
-    wk = ucx.UCXWorker(ctx)
-    _send(w, bytes(wk.address))
-    other = ucx.UCXAddress.create_from_buffer(_recv(r))
+    if a.bare:  # UCX's own tcp defaults, as any UCXX user gets them
+        config = {"TLS": "tcp", "RNDV_THRESH": "inf", "NET_DEVICES": "lo", **dict(
+            item.split("=", 1) for item in a.ucx)}
+        ctx = ucx.UCXContext(config, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+    else:  # the context pdxfer's ucx engine makes (`lib.context`)
+        ctx = lib.context("tcp", "lo")
+    wk = lib.worker(ctx)
+    _send(w, lib.worker_address(wk))
+    other = _recv(r)
     eps = []
 
     def connect() -> None:
-        eps.append(ucx.UCXEndpoint.create_from_worker_address(wk, other, not a.no_err_handling))
+        eps.append(lib.endpoint(wk, other))
 
     def progress(n: int) -> None:
         for _ in range(n):
@@ -98,6 +105,12 @@ def _side(a: argparse.Namespace, victim: bool, r: int, w: int) -> None:
     _recv(r)  # killed
     if not eps and a.victim_ep == "after":
         connect()
+    held = []
+    if a.send and eps:
+        import numpy as np
+
+        held.append(np.zeros(1 << 16, np.uint8))
+        held.append(eps[-1].tag_send(lib.Array(held[0]), lib.tag(1, 0)))
     deadline = time.monotonic() + a.victim_after
     while time.monotonic() < deadline:
         wk.progress()
@@ -116,6 +129,15 @@ def _fork(a: argparse.Namespace, victim: bool) -> tuple[int, int, int]:
         try:
             os.close(r1)
             os.close(w2)
+            if victim and a.cores:
+                import faulthandler
+                import resource
+
+                faulthandler.enable(all_threads=True)
+                hard = resource.getrlimit(resource.RLIMIT_CORE)[1]
+                resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
+                os.makedirs(a.cores, exist_ok=True)
+                os.chdir(a.cores)
             _side(a, victim, r2, w1)
         except BaseException as exc:
             sys.stderr.write(f"{'victim' if victim else 'peer'} failed: {type(exc).__name__}: {exc}\n")

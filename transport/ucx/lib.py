@@ -24,13 +24,11 @@ Measured traps of UCXX's Python API that shape the backend (0.52):
   link died mid-handshake, the double-close class of UCXX bug
   (rapidsai/ucxx#184). An endpoint UCX already failed was closed by its
   error handling; dropping it (on the UCX thread: `Progress.own`) is all
-  that is left. The same hunt still crashes about 1 run in 400, and the
-  one native stack taken (docs/reliability.md, #35.7) is an abort inside
-  UCX's tcp transport during a plain `progress()`: a tcp endpoint whose
-  connection was still being set up when the peer died is destroyed with a
-  non-empty pending queue (`uct_tcp_ep_destroy_progress`, tcp_ep.c). No
-  guard here reaches it, and no other thread would: an abort ends the
-  process. Deletion condition for this note: a UCX that purges that queue.
+  that is left. The crashes that hunt still saw (about 1 run in 400: a
+  SIGABRT in UCX's tcp transport during `progress()`, SIGSEGVs in
+  `close_blocking()`) were one UCX bug, forced every run by
+  `benchmarks/ucx_tcp_abort_repro.py` and avoided by non-blocking tcp
+  connects (`context`).
 * no per-request cancel. Closing an endpoint cancels the receives posted on
   it that are not yet matched (UCX's `ucp_request_cancel`);
   `Worker.cancel_inflight_requests()` cancels only what UCXX scheduled after
@@ -104,8 +102,25 @@ def context(tls: str, device: str | None) -> Any:
     newer. With a CUDA transport rendezvous is kept: it is what moves GPU
     memory without a bounce (whether that context keeps a cache, so that the
     crash cannot happen there, is unverified: no GPU here).
+
+    tcp connects without blocking (`TCP_CONN_NB=y`; UCX's default is a
+    blocking `connect`). UCX 1.21's tcp transport kills the process when a
+    peer that had already connected to one of our workers dies before that
+    worker's own endpoint to it is set up: the new endpoint takes over the
+    peer's socket, its connection request fails (reset), it reconnects, and
+    a blocking connect is refused at once — inside `uct_tcp_ep_connect`,
+    before the endpoint has its send side, so tcp schedules it for
+    destruction as a receive-only endpoint of its own while UCP goes on
+    using it. The next `progress()` frees it: SIGABRT if a send is queued on
+    it (`uct_tcp_ep_pending_purge`), else a SIGSEGV when UCP touches it next
+    (`close_blocking`). A non-blocking connect reports the refusal from
+    progress instead, once the endpoint can send, where tcp hands it to
+    UCP's error handling: the endpoint fails and nothing dies
+    (`benchmarks/ucx_tcp_abort_repro.py`, docs/reliability.md). Deletion
+    condition: a UCX whose `uct_tcp_ep_create_socket_and_connect` does not
+    call `uct_tcp_ep_set_failed` on an endpoint without its send side.
     """
-    config: dict[str, str] = {}
+    config: dict[str, str] = dict(TCP_CONN_NB="y")  # see below
     if tls != FULL_TLS:
         config.update(TLS=tls, RNDV_THRESH="inf")  # tcp alone: no CUDA transport
     if device:
