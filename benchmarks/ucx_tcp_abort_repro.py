@@ -1,19 +1,31 @@
-"""Force UCX's tcp teardown abort (#35.7): a peer dies between two workers' connection set-ups.
+"""Force UCX's tcp teardown crash (#35.7, #29.7) every run: a peer dies between two connection set-ups.
 
-Plain UCXX, no pdxfer engine: per run, two forked processes each make a
-UCX context (tls tcp, loopback) and one worker — the peer P and the victim
-V. The scenario is the one pdxfer's handshake makes: both workers create an
-endpoint to the other's worker address, `--first` says which side creates
-its endpoint first. P progresses its worker `--peer-steps` times after
-making its endpoint, then stops itself (SIGSTOP: its sockets stay open, its
-process cannot answer); V progresses `--victim-before` times; P is
-SIGKILLed (its sockets close); then V makes its own endpoint if it had not
-(`--victim-ep after`) and progresses for `--victim-after` s. A run
-*aborts* when V dies by a signal.
+No pdxfer engine, only the UCX objects its ucx engine makes (`lib.context`,
+`lib.worker`, `lib.endpoint`; `--bare`: UCX's own tcp options instead, plus
+`--ucx KEY=VALUE`). Per run, two forked processes each make a context (tls
+tcp, loopback) and one worker: the peer P and the victim V. The default
+schedule is the one pdxfer's handshake makes for V's sending worker: P makes
+its endpoint to V first (P's inbound worker, on V's `Hello`) and progresses
+it `--peer-steps` times, so its tcp connection reaches V; P stops itself
+(SIGSTOP: sockets open, nothing answered); V progresses `--victim-before`
+times (it accepts P's connection: a receive-only tcp endpoint); P is
+SIGKILLed; then V makes its endpoint to P (V's link, on P's `Welcome`),
+with `--send` posts a send on it at once, and progresses for
+`--victim-after` s before closing it.
 
-    .venv/bin/python benchmarks/ucx_tcp_abort_repro.py --runs 20
+UCX 1.21, blocking tcp connect (its default): V's new endpoint takes over
+P's socket, its connection request is reset, the reconnect is refused inside
+`uct_tcp_ep_connect` before the endpoint has its send side, and tcp
+schedules UCP's own endpoint for destruction: SIGSEGV in `close_blocking`,
+or with `--send` SIGABRT in `uct_tcp_ep_pending_purge` (the hunt's stack).
+A run *aborts* when V dies by a signal; it *reached* the window when V's
+endpoint ended failed by UCX's error handling (exit 4 or 3 otherwise).
 
-Prints one line per run setting and `runs N aborts A`; exits 1 if any run aborted.
+    .venv/bin/python benchmarks/ucx_tcp_abort_repro.py --runs 10 --send
+    .venv/bin/python benchmarks/ucx_tcp_abort_repro.py --runs 10 --send --bare
+
+Prints a line per run that aborted or missed the window, then
+`runs N aborts A not-reached M`; exits 1 if any run aborted.
 """
 
 from __future__ import annotations
@@ -115,9 +127,14 @@ def _side(a: argparse.Namespace, victim: bool, r: int, w: int) -> None:
     while time.monotonic() < deadline:
         wk.progress()
         time.sleep(0.001)
+    # the window was reached when the new endpoint took over the dead peer's connection and
+    # UCX failed it (its error handling ran); one refused at creation never got there
+    reached = bool(eps) and not any(ep.alive for ep in eps)
     for ep in eps:
         if ep.alive:
             ep.close_blocking()
+    if a.victim_ep != "none" and not reached:
+        os._exit(4)
 
 
 def _fork(a: argparse.Namespace, victim: bool) -> tuple[int, int, int]:
@@ -171,8 +188,10 @@ def one_run(a: argparse.Namespace) -> str | None:
         _, status = os.waitpid(vic, 0)
         if os.WIFSIGNALED(status):
             return f"victim killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        if os.WEXITSTATUS(status) == 4:
+            return "window not reached: the victim's endpoint did not fail"
         if os.WEXITSTATUS(status):
-            return f"victim exit {os.WEXITSTATUS(status)} (not an abort)"
+            return f"victim exit {os.WEXITSTATUS(status)} (not an abort; window not reached)"
         return None
     finally:
         for pid in (peer, vic):
@@ -189,14 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     import pdxfer.transport.ucx.lib  # noqa: F401  (UCXX loaded before the forks)
 
-    aborts = 0
+    aborts = missed = 0
     for i in range(a.runs):
         what = one_run(a)
         if what is not None:
             print(f"run {i + 1}: {what}", flush=True)
             if "killed by" in what:
                 aborts += 1
-    print(f"runs {a.runs} aborts {aborts} ({vars(a)})", flush=True)
+            else:
+                missed += 1
+    print(f"runs {a.runs} aborts {aborts} not-reached {missed} ({vars(a)})", flush=True)
     return 1 if aborts else 0
 
 
