@@ -3,9 +3,10 @@
 `benchmarks/ucx_crash_hunt.py` forks a warm peer and victim per run; any
 victim killed by a signal (the segfaults seen in `close_blocking` and
 `worker.progress` on the engine's UCX thread) or hanging fails this test.
-Twelve runs cannot prove a rate of a few in a thousand gone — the figures
-with hundreds of runs, before and after, are in docs/reliability.md — but a
-regression that brings back a common crash shows here.
+Twelve runs cannot prove a rate of a few in a thousand gone — the crash that
+rate came from is forced every run and survived in `test_ucx_tcp_abort.py`;
+the hunt's figures are in docs/reliability.md — but a regression that brings
+back a common teardown crash shows here.
 """
 
 from __future__ import annotations
