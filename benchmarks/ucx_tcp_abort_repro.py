@@ -44,6 +44,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--first", choices=("peer", "victim"), default="peer")
     p.add_argument("--peer-steps", type=int, default=50)
     p.add_argument("--victim-before", type=int, default=50)
+    p.add_argument("--peer-again", type=int, default=0,
+                   help="then the peer progresses this many more times before it is killed "
+                        "(its UCP wireup request reaches the victim: with --victim-ep none)")
     p.add_argument("--victim-ep", choices=("before", "after", "none"), default="after")
     p.add_argument("--victim-after", type=float, default=0.5)
     p.add_argument("--ucx", action="append", default=[], metavar="KEY=VALUE",
@@ -105,6 +108,10 @@ def _side(a: argparse.Namespace, victim: bool, r: int, w: int) -> None:
         progress(a.peer_steps)
         _send(w, b"stopping")
         os.kill(os.getpid(), signal.SIGSTOP)
+        if a.peer_again:  # continued once the victim accepted: its wireup request goes out
+            progress(a.peer_again)
+            _send(w, b"stopping")
+            os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(60)
         return
     if a.first == "victim" or a.victim_ep == "before":
@@ -166,6 +173,14 @@ def _fork(a: argparse.Namespace, victim: bool) -> tuple[int, int, int]:
     return pid, r1, w2
 
 
+def _stopped(pid: int) -> None:
+    while True:
+        done, status = os.waitpid(pid, os.WUNTRACED | os.WNOHANG)
+        if done and os.WIFSTOPPED(status):
+            return
+        time.sleep(0.001)
+
+
 def one_run(a: argparse.Namespace) -> str | None:
     peer, p_r, p_w = _fork(a, victim=False)
     vic, v_r, v_w = _fork(a, victim=True)
@@ -176,12 +191,12 @@ def one_run(a: argparse.Namespace) -> str | None:
         if a.first == "victim":
             _send(p_w, _recv(v_r))
         _send(v_w, _recv(p_r))  # "stopping"
-        while True:  # until the peer is stopped
-            done, status = os.waitpid(peer, os.WUNTRACED | os.WNOHANG)
-            if done and os.WIFSTOPPED(status):
-                break
-            time.sleep(0.001)
+        _stopped(peer)
         _recv(v_r)  # "kill"
+        if a.peer_again:
+            os.kill(peer, signal.SIGCONT)
+            _recv(p_r)
+            _stopped(peer)
         os.kill(peer, signal.SIGKILL)
         os.waitpid(peer, 0)
         _send(v_w, b"killed")
