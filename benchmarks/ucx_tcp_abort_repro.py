@@ -40,15 +40,20 @@ import time
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--runs", type=int, default=20)
-    p.add_argument("--first", choices=("peer", "victim"), default="peer")
-    p.add_argument("--peer-steps", type=int, default=50)
-    p.add_argument("--victim-before", type=int, default=50)
+    p.add_argument("--runs", type=int, default=20, help="runs (default 20)")
+    p.add_argument("--first", choices=("peer", "victim"), default="peer",
+                   help="which side makes its endpoint first (default peer: the crash's order)")
+    p.add_argument("--peer-steps", type=int, default=50,
+                   help="progress calls of the peer after making its endpoint (default 50)")
+    p.add_argument("--victim-before", type=int, default=50,
+                   help="progress calls of the victim before the peer is killed (default 50)")
     p.add_argument("--peer-again", type=int, default=0,
                    help="then the peer progresses this many more times before it is killed "
                         "(its UCP wireup request reaches the victim: with --victim-ep none)")
-    p.add_argument("--victim-ep", choices=("before", "after", "none"), default="after")
-    p.add_argument("--victim-after", type=float, default=0.5)
+    p.add_argument("--victim-ep", choices=("before", "after", "none"), default="after",
+                   help="when the victim makes its endpoint: before or after the kill, or never")
+    p.add_argument("--victim-after", type=float, default=0.5,
+                   help="seconds the victim progresses after the kill (default 0.5)")
     p.add_argument("--ucx", action="append", default=[], metavar="KEY=VALUE",
                    help="with --bare: a UCX context option for both sides (TCP_CONN_NB=y); repeatable")
     p.add_argument("--send", action="store_true",
@@ -56,7 +61,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bare", action="store_true",
                    help="UCX's own tcp options (with --ucx), not pdxfer's context")
     p.add_argument("--cores", default=None, help="the victim dumps core into this directory")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.runs < 1 or min(a.peer_steps, a.victim_before, a.peer_again) < 0 or a.victim_after < 0:
+        p.error("--runs must be at least 1; steps and --victim-after must not be negative")
+    if a.ucx and not a.bare:
+        p.error("--ucx changes UCX's own options: give it with --bare (pdxfer's context is fixed)")
+    return a
 
 
 def _send(fd: int, data: bytes) -> None:
