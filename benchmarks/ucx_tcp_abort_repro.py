@@ -58,6 +58,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="with --bare: a UCX context option for both sides (TCP_CONN_NB=y); repeatable")
     p.add_argument("--send", action="store_true",
                    help="the victim posts a send on its new endpoint at once (queued: SIGABRT form)")
+    p.add_argument("--both", action="store_true",
+                   help="odd runs without a send, even runs with one (both forms in one process)")
     p.add_argument("--bare", action="store_true",
                    help="UCX's own tcp options (with --ucx), not pdxfer's context")
     p.add_argument("--cores", default=None, help="the victim dumps core into this directory")
@@ -88,7 +90,7 @@ def _recv(fd: int, timeout: float = 30.0) -> bytes:
         buf += chunk
 
 
-def _side(a: argparse.Namespace, victim: bool, r: int, w: int) -> None:
+def _side(a: argparse.Namespace, victim: bool, r: int, w: int, send: bool) -> None:
     from pdxfer.transport.ucx import lib
 
     ucx = lib.ucx
@@ -135,7 +137,7 @@ def _side(a: argparse.Namespace, victim: bool, r: int, w: int) -> None:
     if not eps and a.victim_ep == "after":
         connect()
     held = []
-    if a.send and eps:
+    if send and eps:
         import numpy as np
 
         held.append(np.zeros(1 << 16, np.uint8))
@@ -154,7 +156,7 @@ def _side(a: argparse.Namespace, victim: bool, r: int, w: int) -> None:
         os._exit(4)
 
 
-def _fork(a: argparse.Namespace, victim: bool) -> tuple[int, int, int]:
+def _fork(a: argparse.Namespace, victim: bool, send: bool) -> tuple[int, int, int]:
     r1, w1 = os.pipe()
     r2, w2 = os.pipe()
     pid = os.fork()
@@ -172,7 +174,7 @@ def _fork(a: argparse.Namespace, victim: bool) -> tuple[int, int, int]:
                 resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
                 os.makedirs(a.cores, exist_ok=True)
                 os.chdir(a.cores)
-            _side(a, victim, r2, w1)
+            _side(a, victim, r2, w1, send)
         except BaseException as exc:
             sys.stderr.write(f"{'victim' if victim else 'peer'} failed: {type(exc).__name__}: {exc}\n")
             code = 3
@@ -191,9 +193,10 @@ def _stopped(pid: int) -> None:
         time.sleep(0.001)
 
 
-def one_run(a: argparse.Namespace) -> str | None:
-    peer, p_r, p_w = _fork(a, victim=False)
-    vic, v_r, v_w = _fork(a, victim=True)
+def one_run(a: argparse.Namespace, send: bool) -> str | None:
+    """One run; None if the victim lived and its endpoint failed by UCX, else what happened."""
+    peer, p_r, p_w = _fork(a, False, send)
+    vic, v_r, v_w = _fork(a, True, send)
     try:
         p_addr, v_addr = _recv(p_r), _recv(v_r)
         _send(v_w, p_addr)
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
     aborts = missed = 0
     for i in range(a.runs):
-        what = one_run(a)
+        what = one_run(a, a.send or (a.both and i % 2 == 1))
         if what is not None:
             print(f"run {i + 1}: {what}", flush=True)
             if "killed by" in what:

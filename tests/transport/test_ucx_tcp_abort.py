@@ -26,14 +26,13 @@ pytestmark = pytest.mark.skipif("ucx" not in transport.available(),
                                 reason="ucxx-cu12 is not installed (pip install 'pdxfer[ucx]')")
 
 REPRO = Path(__file__).resolve().parents[2] / "benchmarks" / "ucx_tcp_abort_repro.py"
-RUNS = 2
+RUNS = 2  # one without, one with a queued send: before the fix each run died (40 of 40)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("send", [False, True], ids=["close", "queued-send"])
-def test_a_peer_dying_between_two_connection_setups_does_not_kill_the_victim(send: bool) -> None:
-    cmd = [sys.executable, str(REPRO), "--runs", str(RUNS)] + (["--send"] if send else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=220)
+def test_a_peer_dying_between_two_connection_setups_does_not_kill_the_victim() -> None:
+    out = subprocess.run([sys.executable, str(REPRO), "--runs", str(RUNS), "--both"],
+                         capture_output=True, text=True, timeout=220)
     summary = [line for line in out.stdout.splitlines() if line.startswith("runs ")]
     assert summary, f"the repro printed no summary (exit {out.returncode}): {out.stderr[-3000:]}"
     assert summary[0].startswith(f"runs {RUNS} aborts 0 not-reached 0"), (
