@@ -50,7 +50,18 @@ from pdxfer.transport.wire import LENGTH, ErrorMessage, recv_exact
 from .cliargs import byte_size, positive_float
 from .errors import RequestError
 from .pools import PoolSet, differences
-from .protocol import CONTROL, MAX_ECHO, VERSION, Echo, EchoDone, Hello, Ping, Refuse, Welcome, echo_pattern
+from .protocol import (
+    CONTROL,
+    MAX_ECHO,
+    VERSION,
+    Echo,
+    EchoDone,
+    Hello,
+    Ping,
+    Refuse,
+    Welcome,
+    echo_pattern,
+)
 from .session import format_address, parse_address
 
 __all__ = ["Exit", "ProbeReport", "load_layout", "main", "probe"]
@@ -198,7 +209,7 @@ def _handshake_and_echo(sock: socket.socket, pools: Mapping[str, Any], name: str
             CONTROL.send(sock, Hello(engine.engine_id, name, engine.address(), **ours.hello_fields()))
         except PeerLostError as exc:
             raise _Stop(Exit.NO_ANSWER, f"the connection closed before the Hello went out: {exc}") from None
-        answer = _recv(sock, deadline, timeout, "an answer to the Hello")
+        answer = _recv(sock, deadline, timeout, "answer to the Hello")
         report.handshake_s = time.monotonic() - sent
         mine = (ours.descs, ours.fingerprints)
         if isinstance(answer, Refuse):
@@ -243,7 +254,7 @@ def _echo(sock: socket.socket, region: Any, xid: int, n: int, deadline: float, t
         CONTROL.send(sock, Echo(xid, n, rid))
     except PeerLostError as exc:
         raise _Stop(Exit.DATA_PATH_FAILED, f"the control link closed before the echo: {exc}") from None
-    done = _recv(sock, deadline, timeout, f"the {n} B echo's answer", when=Exit.DATA_PATH_FAILED)
+    done = _recv(sock, deadline, timeout, f"answer to the {n} B echo", when=Exit.DATA_PATH_FAILED)
     rtt = time.monotonic() - started
     entry = {"nbytes": n, "round_trip_s": rtt, "wire_s": 0.0, "ok": False, "error": ""}
     report.echo.append(entry)
@@ -276,7 +287,7 @@ def _recv(sock: socket.socket, deadline: float, timeout: float, what: str,
                               "prefill process is stopped, hung or overloaded (a stopped process's "
                               "kernel still accepts the connection)") from None
         except PeerLostError as exc:
-            raise _Stop(when, f"the prefill closed the connection before {what}: {exc}") from None
+            raise _Stop(when, f"the prefill closed the connection before its {what}: {exc}") from None
         except ProtocolError as exc:
             raise _Stop(Exit.PROTOCOL_MISMATCH, f"not a pdxfer prefill's control port: {exc}") from None
         try:

@@ -1,0 +1,195 @@
+"""`pdxfer probe` against a live prefill process: each cause its own exit status, and no disturbance.
+
+The prefill is `prefill_proc.py` (a real `PrefillEngine` in a child process, its
+log in a file this test reads); the probe runs as the CLI does (`cli.main`, or
+the console entry in a child for the exit status of the real process). The
+stopped prefill is a second process, SIGSTOP'd, so its backlog never touches
+the first one's log.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from pdxfer.transport.wire import LENGTH, ErrorMessage
+from pdxfer_procs import HERE, ROOT, Prefill
+from pdxfer_testkit import BIG_KV_FIELDS, build_pools
+
+from pdxfer import DecodeEngine, EngineConfig, KVPoll, cli
+from pdxfer.probe import Exit, probe
+from pdxfer.protocol import CONTROL, VERSION
+
+# The whole probe's bound: generous for two busy cores, and what a stall test waits out.
+TIMEOUT = 20.0
+STALL = 2.0
+
+
+class LoggedPrefill:
+    """A prefill process whose log the test reads line by line (`new_lines`)."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self.path = tmp_path_factory.mktemp("probe") / "prefill.log"
+        self.log = open(self.path, "w")  # noqa: SIM115 — closed in stop()
+        self.proc = Prefill("tcp", 0, 10.0, stderr=self.log)
+        self.seen = 0
+
+    def new_lines(self) -> list[str]:
+        text = self.path.read_text()
+        lines, self.seen = text[self.seen:].splitlines(), len(text)
+        return lines
+
+    def stop(self) -> None:
+        self.proc.stop()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def prefill(tmp_path_factory):
+    p = LoggedPrefill(tmp_path_factory)
+    yield p
+    p.stop()
+
+
+def _probe(capsys, *argv: str) -> tuple[int, dict]:
+    code = cli.main(["probe", *argv, "--json", "--timeout", str(TIMEOUT)])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(autouse=True)
+def _layouts_importable(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(HERE))  # probe_layouts, as --layout names it
+
+
+def test_a_matching_prefill_answers_passes_the_echo_and_is_not_disturbed(prefill, capsys) -> None:
+    prefill.new_lines()
+    code, out = _probe(capsys, prefill.proc.address, "--layout", "probe_layouts:matching",
+                       "--bytes", "64KiB")
+    assert code == Exit.OK, out
+    assert out["outcome"] == "ok" and out["engine"].startswith("tcp-")
+    assert (out["transport"], out["protocol"], out["differences"]) == ("tcp", VERSION, [])
+    assert [e["nbytes"] for e in out["echo"]] == [4096, 65536]
+    assert all(e["ok"] and e["wire_s"] > 0 and e["round_trip_s"] >= e["wire_s"] for e in out["echo"])
+    # The prefill saw a decode link come and go, logged nothing, and still serves a decode.
+    assert prefill.proc.ask("peers 0") == "PEERS 0"
+    assert prefill.new_lines() == []
+    with DecodeEngine(build_pools(256, 16, kv_fields=BIG_KV_FIELDS), EngineConfig(timeout=10.0)) as dec:
+        dec.expect("after-probe", prefill.proc.address, {"kv": [3]})
+        prefill.proc.send("after-probe", [5], [])
+        assert dec.wait("after-probe", TIMEOUT) is KVPoll.Success
+    assert prefill.proc.wait("after-probe") == "OK after-probe"
+    assert prefill.new_lines() == []
+
+
+def test_a_mismatched_layout_names_every_difference(prefill, capsys) -> None:
+    prefill.new_lines()
+    code, out = _probe(capsys, prefill.proc.address, "--layout", "probe_layouts:mismatched")
+    assert code == Exit.LAYOUT_MISMATCH == 7
+    assert out["outcome"] == "layout_mismatch" and out["engine"].startswith("tcp-")
+    diffs = out["differences"]
+    for expected in ("pool 'aux': declared by the decode only",
+                     "pool 'kv': field 'k' differs in layers: 4 vs 8",
+                     "pool 'kv': field 'v' differs in dtype: torch.float16 vs torch.bfloat16",
+                     "pool 'state': field 'ring' differs in fill: 0.0 vs -1.0"):
+        assert any(d.startswith(expected) for d in diffs), (expected, diffs)
+    assert out["echo"] == []
+    assert prefill.proc.ask("peers 0") == "PEERS 0"
+    logged = prefill.new_lines()  # one line, as for any refused decode
+    assert len(logged) == 1 and "refused" in logged[0] and "(layout)" in logged[0], logged
+
+
+def test_another_transport_is_named(prefill, capsys) -> None:
+    code, out = _probe(capsys, prefill.proc.address, "--layout", "probe_layouts:matching",
+                       "--transport", "verbs-sim")
+    assert code == Exit.TRANSPORT_MISMATCH == 6
+    assert out["transport"] == "tcp" and "--transport tcp" in out["detail"]
+
+
+def test_an_unreachable_port_exits_3_at_once(capsys) -> None:
+    with socket.socket() as held:  # bound, never listening: a connect is refused
+        held.bind(("127.0.0.1", 0))
+        started = time.monotonic()
+        code, out = _probe(capsys, f"127.0.0.1:{held.getsockname()[1]}",
+                           "--layout", "probe_layouts:matching")
+    assert code == Exit.UNREACHABLE == 3
+    assert "Connection refused" in out["detail"] and out["engine"] is None
+    assert time.monotonic() - started < TIMEOUT
+
+
+def test_a_stopped_prefill_exits_4_within_the_timeout(tmp_path) -> None:
+    with open(tmp_path / "stopped.log", "w") as log:
+        stopped = Prefill("tcp", 0, 10.0, stderr=log)
+        try:
+            stopped.freeze()
+            started = time.monotonic()
+            run = subprocess.run(
+                [sys.executable, "-m", "pdxfer", "probe", stopped.address, "--layout",
+                 "probe_layouts:matching", "--timeout", str(STALL)],
+                capture_output=True, text=True, timeout=TIMEOUT + 60, cwd=ROOT, check=False,
+                env={**__import__("os").environ, "PYTHONPATH": f"{ROOT}:{HERE}"})
+            elapsed = time.monotonic() - started
+        finally:
+            stopped.stop()
+    assert run.returncode == Exit.NO_ANSWER == 4, run.stdout + run.stderr
+    assert "no answer to the Hello within --timeout 2 s" in run.stdout
+    assert "stopped, hung or overloaded" in run.stdout
+    assert elapsed > STALL  # it waited out the bound, and not much more (interpreter start aside)
+
+
+def _one_shot_server(reply: bytes) -> tuple[socket.socket, threading.Thread]:
+    """A listener that reads one frame, answers `reply` and hangs up (a foreign peer)."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            (length,) = LENGTH.unpack(conn.recv(LENGTH.size, socket.MSG_WAITALL))
+            conn.recv(length, socket.MSG_WAITALL)
+            conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def test_a_prefill_of_another_protocol_version_exits_5_naming_it() -> None:
+    newer = type(CONTROL)(CONTROL.name, VERSION + 1, [])  # what a newer prefill's refusal looks like
+    server, thread = _one_shot_server(newer.pack(ErrorMessage(f"peer speaks pdxfer-ctl version "
+                                                              f"{VERSION}, we speak {VERSION + 1}")))
+    with server:
+        report = probe(f"127.0.0.1:{server.getsockname()[1]}", build_pools(8, 4, kv_fields=BIG_KV_FIELDS),
+                       timeout=TIMEOUT)
+    thread.join(TIMEOUT)
+    assert report.exit_code == Exit.PROTOCOL_MISMATCH == 5
+    assert f"speaks pdxfer-ctl version {VERSION + 1}, this probe {VERSION}" in report.detail
+
+
+def test_something_that_is_not_pdxfer_exits_5() -> None:
+    server, thread = _one_shot_server(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    with server:
+        report = probe(f"127.0.0.1:{server.getsockname()[1]}", build_pools(8, 4, kv_fields=BIG_KV_FIELDS),
+                       timeout=TIMEOUT)
+    thread.join(TIMEOUT)
+    assert report.exit_code == Exit.PROTOCOL_MISMATCH
+    assert "not a pdxfer prefill's control port" in report.detail
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["nohost"], "must be 'host:port'"),
+    (["127.0.0.1:1", "--layout", "nocolon"], "give MODULE:FUNCTION"),
+    (["127.0.0.1:1", "--layout", "probe_layouts:absent"], "has no function 'absent'"),
+    (["127.0.0.1:1", "--layout", "probe_layouts:matching", "--bytes", "1GiB"], "at most 16777216"),
+    (["127.0.0.1:1", "--layout", "probe_layouts:matching", "--transport", "nosuch"], "unknown"),
+])
+def test_bad_arguments_are_usage_errors(argv: list[str], message: str, capsys) -> None:
+    if "--layout" not in argv:
+        argv = [*argv, "--layout", "probe_layouts:matching"]
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["probe", *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
