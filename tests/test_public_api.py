@@ -10,7 +10,7 @@ from pdxfer import layout, transport
 
 TRANSPORT = [
     "BoundsError", "Capabilities", "CapabilityError", "CloseError", "ClosedError", "Connection",
-    "LocalRegion",
+    "DeviceRegistrationError", "LocalRegion",
     "NotifyHandler", "PeerLostError", "ProtocolError", "RegistrationError", "TransferHandle",
     "TransferTimeout", "TransportEngine", "TransportError", "available", "capabilities", "create",
     "known", "variants", "why_unavailable",
