@@ -15,11 +15,11 @@ import os
 import numpy as np
 import pytest
 import torch
+from pdxfer.transport import DeviceRegistrationError
 from pdxfer.transport.verbs import sim
 from pdxfer.transport.verbs.sim.net import SimGpu, Topology
 
 from pdxfer import DecodeEngine, EngineConfig, KVPoll, PrefillEngine, RequestFailed, layout
-from pdxfer.transport import DeviceRegistrationError
 
 WAIT = 30.0
 NODMABUF = Topology(gpus=(SimGpu(("pci0000:00", "0000:00:01.0", "0000:05:00.0"), dmabuf=False),))
