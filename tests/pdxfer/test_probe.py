@@ -9,7 +9,9 @@ the first one's log.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -23,7 +25,7 @@ from pdxfer_testkit import BIG_KV_FIELDS, build_pools
 
 from pdxfer import DecodeEngine, EngineConfig, KVPoll, cli
 from pdxfer.probe import Exit, probe
-from pdxfer.protocol import CONTROL, VERSION
+from pdxfer.protocol import CONTROL, VERSION, Echo, EchoDone, Hello, Refuse, Welcome
 
 # The whole probe's bound: generous for two busy cores, and what a stall test waits out.
 TIMEOUT = 20.0
@@ -131,7 +133,7 @@ def test_a_stopped_prefill_exits_4_within_the_timeout(tmp_path) -> None:
                 [sys.executable, "-m", "pdxfer", "probe", stopped.address, "--layout",
                  "probe_layouts:matching", "--timeout", str(STALL)],
                 capture_output=True, text=True, timeout=TIMEOUT + 60, cwd=ROOT, check=False,
-                env={**__import__("os").environ, "PYTHONPATH": f"{ROOT}:{HERE}"})
+                env={**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}"})
             elapsed = time.monotonic() - started
         finally:
             stopped.stop()
@@ -177,6 +179,57 @@ def test_something_that_is_not_pdxfer_exits_5() -> None:
     thread.join(TIMEOUT)
     assert report.exit_code == Exit.PROTOCOL_MISMATCH
     assert "not a pdxfer prefill's control port" in report.detail
+
+
+def _scripted_prefill(answer) -> tuple[socket.socket, threading.Thread]:
+    """A listener speaking the control protocol as `answer(conn, hello)` scripts it (a faulty prefill)."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(TIMEOUT)
+            answer(conn, CONTROL.recv(conn))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def _probe_scripted(answer):
+    server, thread = _scripted_prefill(answer)
+    with server:
+        report = probe(f"127.0.0.1:{server.getsockname()[1]}", build_pools(8, 4, kv_fields=BIG_KV_FIELDS),
+                       timeout=TIMEOUT)
+    thread.join(TIMEOUT)
+    return report
+
+
+def test_a_prefill_that_cannot_reach_the_probe_exits_8() -> None:
+    def refuse(conn: socket.socket, hello: Hello) -> None:
+        CONTROL.send(conn, Refuse("transport", "prefill cannot reach the decode's tcp endpoint "
+                                  "{...}: Connection refused", "tcp-fake", "tcp", {}, {}))
+
+    report = _probe_scripted(refuse)
+    assert report.exit_code == Exit.DATA_PATH_FAILED == 8
+    assert "could not open its data connection to this probe" in report.detail
+    assert report.engine == "tcp-fake"
+
+
+def test_an_echo_whose_bytes_never_landed_exits_8() -> None:
+    """A prefill that says the echo completed without writing it: the byte check catches it."""
+    def lie(conn: socket.socket, hello: Hello) -> None:
+        CONTROL.send(conn, Welcome("tcp-liar", hello.pools, hello.fingerprints))
+        echo = CONTROL.recv(conn)
+        assert isinstance(echo, Echo)
+        CONTROL.send(conn, EchoDone(echo.xid, echo.nbytes, True, "", 0.001))
+        with contextlib.suppress(OSError):
+            CONTROL.recv(conn)  # until the probe hangs up
+
+    report = _probe_scripted(lie)
+    assert report.exit_code == Exit.DATA_PATH_FAILED
+    assert "4096 of 4096 B wrong" not in report.detail  # offset 0 holds the pattern's 0 by chance
+    assert "B wrong, first at offset 1" in report.detail and report.engine == "tcp-liar"
 
 
 @pytest.mark.parametrize(("argv", "message"), [
