@@ -1,8 +1,8 @@
 """`pdxfer probe` against a live prefill process: each cause its own exit status, and no disturbance.
 
 The prefill is `prefill_proc.py` (a real `PrefillEngine` in a child process, its
-log in a file this test reads); the probe runs as the CLI does (`cli.main`, or
-the console entry in a child for the exit status of the real process). The
+log in a file this test reads); the probe runs as the console script does
+(`cli.main`, whose return value is the process's exit status). The
 stopped prefill is a second process, SIGSTOP'd, so its backlog never touches
 the first one's log.
 """
@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 from pdxfer.transport.wire import LENGTH, ErrorMessage
-from pdxfer_procs import HERE, ROOT, Prefill
+from pdxfer_procs import HERE, Prefill
 from pdxfer_testkit import BIG_KV_FIELDS, build_pools
 
 from pdxfer import DecodeEngine, EngineConfig, KVPoll, cli
@@ -58,8 +55,8 @@ def prefill(tmp_path_factory):
     p.stop()
 
 
-def _probe(capsys, *argv: str) -> tuple[int, dict]:
-    code = cli.main(["probe", *argv, "--json", "--timeout", str(TIMEOUT)])
+def _probe(capsys, *argv: str, timeout: float = TIMEOUT) -> tuple[int, dict]:
+    code = cli.main(["probe", *argv, "--json", "--timeout", str(timeout)])
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -123,24 +120,22 @@ def test_an_unreachable_port_exits_3_at_once(capsys) -> None:
     assert time.monotonic() - started < TIMEOUT
 
 
-def test_a_stopped_prefill_exits_4_within_the_timeout(tmp_path) -> None:
+def test_a_stopped_prefill_exits_4_within_the_timeout(tmp_path, capsys) -> None:
     with open(tmp_path / "stopped.log", "w") as log:
         stopped = Prefill("tcp", 0, 10.0, stderr=log)
         try:
             stopped.freeze()
             started = time.monotonic()
-            run = subprocess.run(
-                [sys.executable, "-m", "pdxfer", "probe", stopped.address, "--layout",
-                 "probe_layouts:matching", "--timeout", str(STALL)],
-                capture_output=True, text=True, timeout=TIMEOUT + 60, cwd=ROOT, check=False,
-                env={**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}"})
+            code, out = _probe(capsys, stopped.address, "--layout", "probe_layouts:matching",
+                               timeout=STALL)
             elapsed = time.monotonic() - started
         finally:
             stopped.stop()
-    assert run.returncode == Exit.NO_ANSWER == 4, run.stdout + run.stderr
-    assert "no answer to the Hello within --timeout 2 s" in run.stdout
-    assert "stopped, hung or overloaded" in run.stdout
-    assert elapsed > STALL  # it waited out the bound, and not much more (interpreter start aside)
+    assert code == Exit.NO_ANSWER == 4, out
+    assert out["connect_s"] is not None and out["engine"] is None
+    assert "no answer to the Hello within --timeout 2 s" in out["detail"]
+    assert "stopped, hung or overloaded" in out["detail"]
+    assert STALL <= elapsed < TIMEOUT  # it waited out its bound, not more
 
 
 def _one_shot_server(reply: bytes) -> tuple[socket.socket, threading.Thread]:
