@@ -82,3 +82,12 @@ def test_fallback_tcp_moves_the_bytes_with_one_warning_and_peers_pair_by_name(ca
                     other.wait("s", WAIT)
         finally:
             prefill.close()
+
+
+@pytest.mark.parametrize("fallback", ["verbs-sim", "", 3])
+def test_a_fallback_must_be_another_backends_name(fallback) -> None:
+    from pdxfer import ConfigError
+
+    with pytest.raises(ConfigError, match=r"EngineConfig.fallback must be None or another backend's "
+                                          r"name than transport 'verbs-sim'"):
+        EngineConfig(transport="verbs-sim", fallback=fallback)
