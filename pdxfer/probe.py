@@ -209,7 +209,7 @@ def _handshake_and_echo(sock: socket.socket, pools: Mapping[str, Any], name: str
             CONTROL.send(sock, Hello(engine.engine_id, name, engine.address(), **ours.hello_fields()))
         except PeerLostError as exc:
             raise _Stop(Exit.NO_ANSWER, f"the connection closed before the Hello went out: {exc}") from None
-        answer = _recv(sock, deadline, timeout, "answer to the Hello")
+        answer = _recv(sock, deadline, timeout, "answer to the Hello", report)
         report.handshake_s = time.monotonic() - sent
         mine = (ours.descs, ours.fingerprints)
         if isinstance(answer, Refuse):
@@ -227,6 +227,7 @@ def _handshake_and_echo(sock: socket.socket, pools: Mapping[str, Any], name: str
         report.detail = (f"handshake and data path work: the prefill opened its {name} data "
                          "connection to this probe and wrote every echoed byte right")
     finally:
+        sock.close()  # first: the prefill cuts its data connection as a decode leaving, then ours
         engine.close()
 
 
@@ -254,7 +255,7 @@ def _echo(sock: socket.socket, region: Any, xid: int, n: int, deadline: float, t
         CONTROL.send(sock, Echo(xid, n, rid))
     except PeerLostError as exc:
         raise _Stop(Exit.DATA_PATH_FAILED, f"the control link closed before the echo: {exc}") from None
-    done = _recv(sock, deadline, timeout, f"answer to the {n} B echo", when=Exit.DATA_PATH_FAILED)
+    done = _recv(sock, deadline, timeout, f"answer to the {n} B echo", report, when=Exit.DATA_PATH_FAILED)
     rtt = time.monotonic() - started
     entry = {"nbytes": n, "round_trip_s": rtt, "wire_s": 0.0, "ok": False, "error": ""}
     report.echo.append(entry)
@@ -273,7 +274,7 @@ def _echo(sock: socket.socket, region: Any, xid: int, n: int, deadline: float, t
     entry.update(ok=True, wire_s=done.wire_s)
 
 
-def _recv(sock: socket.socket, deadline: float, timeout: float, what: str,
+def _recv(sock: socket.socket, deadline: float, timeout: float, what: str, report: ProbeReport,
           when: Exit = Exit.NO_ANSWER) -> Any:
     """The next message other than a Ping, or `_Stop` naming the cause."""
     while True:
@@ -293,20 +294,21 @@ def _recv(sock: socket.socket, deadline: float, timeout: float, what: str,
         try:
             msg = CONTROL.unpack(payload)
         except ProtocolError as exc:
-            raise _Stop(Exit.PROTOCOL_MISMATCH, _foreign(payload, exc)) from None
+            raise _Stop(Exit.PROTOCOL_MISMATCH, _foreign(payload, exc, report)) from None
         if isinstance(msg, ErrorMessage):
             raise _Stop(Exit.PROTOCOL_MISMATCH, f"the prefill refused our message: {msg.reason}")
         if not isinstance(msg, Ping):
             return msg
 
 
-def _foreign(payload: bytes, exc: ProtocolError) -> str:
+def _foreign(payload: bytes, exc: ProtocolError, report: ProbeReport) -> str:
     """Why a frame we cannot decode is not ours: another version of the protocol, or no pdxfer at all."""
     try:
         env = msgpack.unpackb(payload, raw=False)
     except Exception:  # noqa: BLE001 — not msgpack at all: the generic sentence below
         env = None
     if isinstance(env, dict) and env.get("p") == CONTROL.name and env.get("v") != VERSION:
+        report.protocol = env.get("v") if isinstance(env.get("v"), int) else None
         said = env.get("b", {}).get("reason") if isinstance(env.get("b"), dict) else None
         return (f"the prefill speaks pdxfer-ctl version {env.get('v')!r}, this probe {VERSION}: "
                 "run the same pdxfer version on both sides" + (f" (it said: {said})" if said else ""))

@@ -162,7 +162,8 @@ def test_a_prefill_of_another_protocol_version_exits_5_naming_it() -> None:
         report = probe(f"127.0.0.1:{server.getsockname()[1]}", build_pools(8, 4, kv_fields=BIG_KV_FIELDS),
                        timeout=TIMEOUT)
     thread.join(TIMEOUT)
-    assert report.exit_code == Exit.PROTOCOL_MISMATCH == 5
+    assert report.exit_code == Exit.PROTOCOL_MISMATCH == 5 and report.protocol == VERSION + 1
+    assert f"answered in: protocol pdxfer-ctl v{VERSION + 1} (this probe: v{VERSION})" in report.text()
     assert f"speaks pdxfer-ctl version {VERSION + 1}, this probe {VERSION}" in report.detail
 
 
