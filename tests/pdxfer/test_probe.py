@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from pdxfer_testkit import BIG_KV_FIELDS, build_pools
 from pdxfer import DecodeEngine, EngineConfig, KVPoll, cli
 from pdxfer.probe import Exit, probe
 from pdxfer.protocol import CONTROL, VERSION, Echo, EchoDone, Hello, Refuse, Welcome
+from pdxfer.session import parse_address
 
 # The whole probe's bound: generous for two busy cores, and what a stall test waits out.
 TIMEOUT = 20.0
@@ -242,3 +244,34 @@ def test_bad_arguments_are_usage_errors(argv: list[str], message: str, capsys) -
         cli.main(["probe", *argv])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_prefill_answers_a_bad_echo_with_the_reason_and_stays_up() -> None:
+    """What `pdxfer.echo` refuses, said back in EchoDone; the link and the engine carry on."""
+    from pdxfer import PrefillEngine, transport
+    from pdxfer.pools import PoolSet
+    from pdxfer.protocol import MAX_ECHO
+
+    with PrefillEngine(build_pools(8, 4, kv_fields=BIG_KV_FIELDS), EngineConfig(timeout=10.0)) as pre:
+        eng = transport.create("tcp")
+        try:
+            ours = PoolSet(build_pools(8, 4, kv_fields=BIG_KV_FIELDS), eng)
+            region = max(ours.regions, key=lambda r: r.length)
+            rid = region.descriptor()["region"]
+            with socket.create_connection(parse_address(pre.bootstrap_address), TIMEOUT) as sock:
+                CONTROL.send(sock, Hello(eng.engine_id, "tcp", eng.address(), **ours.hello_fields()))
+                assert isinstance(CONTROL.recv(sock), Welcome)
+                for xid, (n, where, ok, error) in enumerate([
+                        (0, rid, False, rf"echo of 0 B refused: it must be 1\.\.{MAX_ECHO} B"),
+                        (16, 999, False, r"region 999 is not one of the decode's pool regions"),
+                        (region.length + 1, rid, False, rf"does not fit the decode's region {rid} "
+                                                        rf"\({region.length} B\)"),
+                        (16, rid, True, r"^$")], 1):
+                    CONTROL.send(sock, Echo(xid, n, where))
+                    done = CONTROL.recv(sock)
+                    while not isinstance(done, EchoDone):
+                        done = CONTROL.recv(sock)  # a Ping on a slow machine
+                    assert (done.xid, done.ok) == (xid, ok), done
+                    assert re.search(error, done.error), done.error
+        finally:
+            eng.close()
