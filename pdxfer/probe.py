@@ -36,6 +36,7 @@ import importlib
 import json
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -62,6 +63,7 @@ from .protocol import (
     Welcome,
     echo_pattern,
 )
+from .resolver import numeric, resolve_blocking
 from .session import format_address, parse_address
 
 __all__ = ["Exit", "ProbeReport", "load_layout", "main", "probe"]
@@ -174,12 +176,8 @@ def _left(deadline: float) -> float:
 
 def _connect(host: str, port: int, deadline: float, report: ProbeReport) -> socket.socket:
     started = time.monotonic()
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise _Stop(Exit.UNREACHABLE, f"cannot resolve {host!r}: {exc}") from None
     errors = []
-    for family, _, _, _, sockaddr in infos:
+    for family, sockaddr in _resolve(host, port, deadline):
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.settimeout(_left(deadline))
         try:
@@ -195,6 +193,28 @@ def _connect(host: str, port: int, deadline: float, report: ProbeReport) -> sock
     raise _Stop(Exit.UNREACHABLE, f"nothing accepts a connection at {report.address} "
                                   f"({'; '.join(errors)}): no prefill listens there, or a firewall "
                                   "drops it; check the prefill's bootstrap address and port")
+
+
+def _resolve(host: str, port: int, deadline: float) -> list:
+    """`(family, sockaddr)` pairs for `host`: a literal at once, a name on a worker, bounded."""
+    addrs = numeric(host, port)
+    if addrs is not None:
+        return addrs
+    box: dict[str, Any] = {}
+
+    def look() -> None:  # getaddrinfo has no timeout of its own: a slow DNS must not outlast ours
+        try:
+            box["addrs"] = resolve_blocking(host, port)
+        except OSError as exc:
+            box["error"] = exc
+
+    worker = threading.Thread(target=look, daemon=True, name="pdxfer-probe-resolve")
+    worker.start()
+    worker.join(_left(deadline))
+    if "addrs" in box:
+        return box["addrs"]
+    raise _Stop(Exit.UNREACHABLE, f"cannot resolve {host!r}: "
+                                  f"{box.get('error', 'no answer within --timeout')}")
 
 
 def _handshake_and_echo(sock: socket.socket, pools: Mapping[str, Any], name: str, host: str,

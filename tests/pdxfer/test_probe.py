@@ -122,6 +122,12 @@ def test_an_unreachable_port_exits_3_at_once(capsys) -> None:
     assert time.monotonic() - started < TIMEOUT
 
 
+def test_a_name_that_does_not_resolve_exits_3(capsys) -> None:
+    code, out = _probe(capsys, "nosuch.invalid:7000", "--layout", "probe_layouts:matching")
+    assert code == Exit.UNREACHABLE
+    assert out["detail"].startswith("cannot resolve 'nosuch.invalid'")
+
+
 def test_a_stopped_prefill_exits_4_within_the_timeout(tmp_path, capsys) -> None:
     with open(tmp_path / "stopped.log", "w") as log:
         stopped = Prefill("tcp", 0, 10.0, stderr=log)
