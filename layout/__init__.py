@@ -9,7 +9,7 @@ requests. It answers these questions from one field walk:
 - what every arena kind answers so no planner asks which kind it is
   (`layout.protocol.Arena`);
 - whether two peers agree on all of that (`describe`, `fingerprint`,
-  `describe_diff`);
+  `describe_diff`, `describe_diffs`);
 - for a page pool and a state pool sharing one allocation, which entries
   move when their boundary does (`ElasticPools`, `plan_resize`, `relocate`);
 - for tensor parallelism, which part of an entry a rank holds
@@ -24,6 +24,7 @@ from .describe import (
     FORMAT_VERSION,
     describe,
     describe_diff,
+    describe_diffs,
     fingerprint,
     is_split_pair,
     split_of,
@@ -91,6 +92,7 @@ __all__ = [
     "contributing_ranks",
     "describe",
     "describe_diff",
+    "describe_diffs",
     "entry_bytes_for",
     "field_extents",
     "fingerprint",

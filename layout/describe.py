@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -111,25 +112,21 @@ def _same(a: Any, b: Any) -> bool:
         return a == b
 
 
-def _first_diff(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
-    """`(path, a_value, b_value)` of the first difference inside two values."""
+def _diffs(a: Any, b: Any, path: str) -> Iterator[tuple[str, Any, Any]]:
+    """`(path, a_value, b_value)` of each difference inside two values, in a fixed order."""
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b)):
             if key not in a or key not in b:
-                return f"{path}.{key}" if path else key, a.get(key, "missing"), b.get(
-                    key, "missing"
-                )
-            found = _first_diff(a[key], b[key], f"{path}.{key}" if path else key)
-            if found:
-                return found
-        return None
+                yield f"{path}.{key}" if path else key, a.get(key, "missing"), b.get(key, "missing")
+                continue
+            yield from _diffs(a[key], b[key], f"{path}.{key}" if path else key)
+        return
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            found = _first_diff(x, y, f"{path}[{i}]")
-            if found:
-                return found
-        return None
-    return None if _same(a, b) else (path, a, b)
+            yield from _diffs(x, y, f"{path}[{i}]")
+        return
+    if not _same(a, b):
+        yield path, a, b
 
 
 def describe_diff(a: dict[str, Any], b: dict[str, Any]) -> str | None:
@@ -140,41 +137,63 @@ def describe_diff(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     `fingerprint` does not hash them. Also None for two shard-major
     descriptions at different TP splits of one global format, each split
     valid (`is_split_pair` tells that case apart): they exchange bytes
-    through `layout.tp_plan`, so a handshake accepts them.
+    through `layout.tp_plan`, so a handshake accepts them. The first of
+    `describe_diffs`.
     """
+    return next(_describe_diffs(a, b), None)
+
+
+def describe_diffs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Every format difference between two descriptions, in `describe_diff`'s words.
+
+    The first is `describe_diff`'s. A differing `version` or `kind` is all
+    that is said (another kind's fields mean other things); fields are
+    paired by position, and a field whose name differs is named once, not
+    attribute by attribute. Empty when the formats agree.
+    """
+    return list(_describe_diffs(a, b))
+
+
+def _describe_diffs(a: dict[str, Any], b: dict[str, Any]) -> Iterator[str]:
     if (isinstance(a, dict) and isinstance(b, dict) and a.get("kind") == b.get("kind")
             == ShardMajorArena.kind and not _same(a.get("tp"), b.get("tp"))):
-        return _split_diff(a, b)
-    for key in ("version", "kind"):
-        if not _same(a.get(key), b.get(key)):
-            return f"{key} differs: {_show(a.get(key))} vs {_show(b.get(key))}"
+        found = _split_diff(a, b)
+        if found is not None:
+            yield found
+        return
+    kinds = [f"{key} differs: {_show(a.get(key))} vs {_show(b.get(key))}"
+             for key in ("version", "kind") if not _same(a.get(key), b.get(key))]
+    if kinds:
+        yield from kinds
+        return
     fa, fb = a.get("fields") or [], b.get("fields") or []
     names_a = [f.get("name") if isinstance(f, dict) else f for f in fa]
     names_b = [f.get("name") if isinstance(f, dict) else f for f in fb]
     if len(fa) != len(fb):
-        return f"field count differs: {len(fa)} vs {len(fb)} ({names_a} vs {names_b})"
-    for i, (x, y) in enumerate(zip(fa, fb, strict=True)):
+        yield f"field count differs: {len(fa)} vs {len(fb)} ({names_a} vs {names_b})"
+    for i, (x, y) in enumerate(zip(fa, fb)):  # noqa: B905 — a count difference is named above
         if not (isinstance(x, dict) and isinstance(y, dict)):
             if not _same(x, y):
-                return f"field {i} differs: {_show(x)} vs {_show(y)}"
+                yield f"field {i} differs: {_show(x)} vs {_show(y)}"
             continue
+        if len(fa) != len(fb) and not _same(x.get("name"), y.get("name")):
+            continue  # the count difference already lists both sides' names
         extra = sorted((set(x) | set(y)) - set(_FIELD_ATTRS))
         for attr in _FIELD_ATTRS + tuple(extra):
             va, vb = x.get(attr, "missing"), y.get(attr, "missing")
             if not _same(va, vb):
                 if attr == "name":
-                    return f"field {i} differs in name: {va!r} vs {vb!r}"
-                return f"field {x.get('name')!r} differs in {attr}: {_show(va)} vs {_show(vb)}"
+                    yield f"field {i} differs in name: {va!r} vs {vb!r}"
+                    break  # another field: its other attributes say nothing more
+                yield f"field {x.get('name')!r} differs in {attr}: {_show(va)} vs {_show(vb)}"
     rest_a = {k: v for k, v in a.items() if k not in _NOT_FORMAT + ("version", "kind", "fields")}
     rest_b = {k: v for k, v in b.items() if k not in _NOT_FORMAT + ("version", "kind", "fields")}
-    found = _first_diff(rest_a, rest_b, "")
-    if found:
-        path, va, vb = found
+    for path, va, vb in _diffs(rest_a, rest_b, ""):
         top, _, inner = path.partition(".")
         if inner:
-            return f"{top} differs in {inner}: {_show(va)} vs {_show(vb)}"
-        return f"{path} differs: {_show(va)} vs {_show(vb)}"
-    return None
+            yield f"{top} differs in {inner}: {_show(va)} vs {_show(vb)}"
+        else:
+            yield f"{path} differs: {_show(va)} vs {_show(vb)}"
 
 
 def _split_diff(a: dict[str, Any], b: dict[str, Any]) -> str | None:

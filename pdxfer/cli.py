@@ -1,4 +1,4 @@
-"""`pdxfer` on the command line: inspect layouts and run benchmarks.
+"""`pdxfer` on the command line: inspect layouts, diagnose hosts and peers, run benchmarks.
 
 Each subcommand lives in the module that owns its topic and is imported only
 when asked for, so `pdxfer layout` does not pay for sockets and
@@ -24,6 +24,8 @@ from importlib import metadata
 _COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
     "layout": {"": ("pdxfer.layout_example", "print the entry maps of an example hybrid model")},
     "doctor": {"": ("pdxfer.doctor", "what this host can run: transports, memlock, RDMA, CUDA, UCX, etcd")},
+    "probe": {"": ("pdxfer.probe", "dial a prefill as a decode would: who answers, layout "
+                                   "differences, a checked write; exit status by cause")},
     "bench": {
         "transport": ("pdxfer.bench.transport", "transport throughput vs memcpy and raw sockets"),
         "engine": ("pdxfer.bench.engine", "PD engine requests/s and per-request overhead"),

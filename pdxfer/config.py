@@ -83,6 +83,14 @@ class EngineConfig:
     backend accepts but ignores (loopback's port/streams, nixl's and verbs'
     streams) is
     refused rather than silently dropped.
+
+    `fallback` (e.g. "tcp"): the transport to use when registering the pools
+    with `transport` fails (`transport.RegistrationError`: GPU memory the NIC
+    cannot register — no nvidia_peermem, no dma-buf — or a memlock limit
+    too low). The engine then runs on `fallback`, with its default options,
+    logs one warning naming the cause, and its `config.transport` says so;
+    its peers must use that transport too (the handshake refuses a
+    mismatch by name). None (the default): the failure is raised.
     """
 
     transport: str = "tcp"
@@ -94,6 +102,7 @@ class EngineConfig:
     abort_grace: float | None = None  # None: min(1 s, timeout / 2)
     request_timeout: float | None = None  # None: timeout
     connect_timeout: float | None = None  # None: timeout
+    fallback: str | None = None  # transport to use if registering the pools fails; None: raise
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -134,13 +143,17 @@ class EngineConfig:
         options = tuple(sorted((k, repr(v)) for k, v in self.transport_options.items()))
         return hash((self.transport, self.host, self.port, self.timeout, options,
                      self.heartbeat_interval, self.abort_grace, self.request_timeout,
-                     self.connect_timeout))
+                     self.connect_timeout, self.fallback))
 
 
 def _validate(cfg: EngineConfig) -> None:
     """Every field check of `EngineConfig`, in one place: `ConfigError` naming the field and the fix."""
     if not isinstance(cfg.transport, str) or not cfg.transport:
         raise ConfigError(f"EngineConfig.transport must be a backend name, got {cfg.transport!r}")
+    if cfg.fallback is not None and (not isinstance(cfg.fallback, str) or not cfg.fallback
+                                     or cfg.fallback == cfg.transport):
+        raise ConfigError(f"EngineConfig.fallback must be None or another backend's name than "
+                          f"transport {cfg.transport!r} (e.g. 'tcp'), got {cfg.fallback!r}")
     if not isinstance(cfg.host, str):
         raise ConfigError(f"EngineConfig.host must be a host name or address string, got {cfg.host!r}")
     # bool is an int: port=True would bind port 1

@@ -31,7 +31,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -130,38 +129,44 @@ def rdma(root: Path = SYSFS_RDMA) -> list[Finding]:
     return out or [Finding("rdma", "devices", None, f"{root} lists no devices")]
 
 
-def cuda() -> list[Finding]:
-    """What this torch sees of CUDA, and whether the GPU-direct RDMA paths have their kernel parts."""
-    import torch  # here: `pdxfer doctor --help` should not pay for torch
+def cuda(devices: list[str] | None = None, modules: Path | None = None,
+         release: str | None = None) -> list[Finding]:
+    """What this torch sees of CUDA, and whether the GPU-direct RDMA paths have their kernel parts.
 
-    if not torch.cuda.is_available():
-        return [Finding("cuda", "torch", None,
-                        f"this torch ({torch.__version__}) sees no CUDA device: GPU pools and "
-                        "the VRAM paths of nixl-all/ucx-all/verbs are unavailable; CPU pools work")]
-    names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-    out = [Finding("cuda", "torch", True,
-                   f"torch {torch.__version__}, CUDA {torch.version.cuda}: "
-                   f"{torch.cuda.device_count()} device(s): {names}")]
-    peermem = Path("/sys/module/nvidia_peermem").exists()
-    release = platform.release()
-    dmabuf = _kernel_version(release) >= (5, 12)
+    `devices` (the CUDA device names), `modules` (the kernel's module tree,
+    `/sys/module`) and `release` (the kernel release) replace what is asked
+    of torch and the host: a test hands in a GPU host's. The kernel parts are
+    `transport.gpudirect`'s — the same facts a failed GPU registration names.
+    """
+    from pdxfer.transport import gpudirect
+
+    if devices is None:
+        import torch  # here: `pdxfer doctor --help` should not pay for torch
+
+        if not torch.cuda.is_available():
+            return [Finding("cuda", "torch", None,
+                            f"this torch ({torch.__version__}) sees no CUDA device: GPU pools and "
+                            "the VRAM paths of nixl-all/ucx-all/verbs are unavailable; CPU pools work")]
+        devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        seen = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+    else:
+        seen = "given"
+    if not devices:
+        return [Finding("cuda", "torch", None, "no CUDA device")]
+    out = [Finding("cuda", "torch", True, f"{seen}: {len(devices)} device(s): {', '.join(devices)}")]
+    root = gpudirect.SYSFS_MODULES if modules is None else modules
+    found = gpudirect.host(root, release)
+    driver = _read(root / "nvidia" / "version")
+    gaps = gpudirect.missing(found, 0)
     out.append(Finding(
-        "cuda", "gpu-direct", peermem or dmabuf,
-        f"nvidia_peermem {'loaded' if peermem else 'not loaded'}; kernel {release} "
-        f"{'supports' if dmabuf else 'predates'} dma-buf (5.12+)",
-        fix="" if (peermem or dmabuf) else "load nvidia_peermem or use a 5.12+ kernel for "
-                                           "GPU-direct RDMA; without it GPU pools go through a "
-                                           "host bounce"))
+        "cuda", "gpu-direct", not gaps,
+        f"nvidia_peermem {'loaded' if found.peermem else 'not loaded'}; kernel {found.kernel} "
+        f"{'supports' if found.dmabuf_kernel else 'predates'} dma-buf MRs (5.12+); NVIDIA driver "
+        f"{driver or 'not loaded'}",
+        fix="; ".join(sentence for _, sentence in gaps)
+        + ("; without GPU-direct, GPU pools go through a host bounce (or EngineConfig(fallback='tcp'))"
+           if gaps else "")))
     return out
-
-
-def _kernel_version(release: str) -> tuple[int, int]:
-    """`(major, minor)` of a kernel release string like `5.15.0-91-generic`; (0, 0) if unreadable."""
-    parts = release.split("-")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return 0, 0
 
 
 def ucx(timeout: float = 10.0) -> Finding:
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.need:
         if name not in known:
             parser.error(f"--need {name!r}: unknown transport; known: {', '.join(known)}")
-    findings = [*backends(), memlock(args.pin), *rdma(), *cuda(), ucx(args.timeout)]
+    findings = [*backends(), memlock(args.pin), *rdma(SYSFS_RDMA), *cuda(), ucx(args.timeout)]
     if args.etcd:
         findings.append(etcd(args.etcd, args.timeout))
     asked = [f for f in findings

@@ -27,6 +27,7 @@ deliver a notify before it lets such a call return.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -73,7 +74,13 @@ class Engine:
         self._closing = closing.Steps(f"{self.role} engine {self._transport.engine_id}")
         self._resizing = threading.Lock()  # one boundary move at a time
         try:
-            self._pools = PoolSet(pools, self._transport)
+            try:
+                self._pools = PoolSet(pools, self._transport)
+            except transport.RegistrationError as exc:
+                if config.fallback is None:
+                    raise
+                self._fall_back(exc)
+                self._pools = PoolSet(pools, self._transport)
             self._table = RequestTable(self.role)
             self._lock = self._table.lock
             self._progress = Progress(f"pdxfer-{self.role}-{self._transport.engine_id}", self._tick,
@@ -81,6 +88,23 @@ class Engine:
         except BaseException:
             self._transport.close()
             raise
+
+    def _fall_back(self, exc: BaseException) -> None:
+        """Registering with the configured transport failed: move to `config.fallback`, warn once.
+
+        The config becomes the fallback's (default options: the failed
+        backend's do not apply), so the Hello and its check carry the name
+        of the transport actually in use.
+        """
+        failed, cfg = self._transport, self.config
+        log.warning("pdxfer %s: registering the pools with transport %r failed (%s); falling back to "
+                    "%r as EngineConfig.fallback allows — its peers must use %r too", self.role,
+                    cfg.transport, exc, cfg.fallback, cfg.fallback)
+        failed.close()
+        self.config = dataclasses.replace(cfg, transport=cfg.fallback, transport_options={},
+                                          fallback=None)
+        self._transport = transport.create(cfg.fallback, host=cfg.host, connect_timeout=cfg.connect_wait)
+        self._closing = closing.Steps(f"{self.role} engine {self._transport.engine_id}")
 
     # -- transitions: state under the lock, effects after it --------------------------
     @contextlib.contextmanager

@@ -240,6 +240,30 @@ def mismatch(prefill: tuple[dict, dict], decode: tuple[dict, dict]) -> str | Non
     return None
 
 
+def differences(prefill: tuple[dict, dict], decode: tuple[dict, dict]) -> list[str]:
+    """Every difference `mismatch` would refuse for, one line each, pool named (empty: they match).
+
+    Where `mismatch` stops at the first (a refusal needs one reason), this
+    names them all — a pool only one side declares, then each field and
+    attribute of each pool whose format differs — for `pdxfer probe`.
+    """
+    p_descs, p_fps = prefill
+    d_descs, d_fps = decode
+    out = [f"pool {name!r}: declared by the {side} only"
+           for side, names in (("prefill", sorted(set(p_descs) - set(d_descs))),
+                               ("decode", sorted(set(d_descs) - set(p_descs))))
+           for name in names]
+    for name in sorted(set(p_descs) & set(d_descs)):
+        if p_fps.get(name) == d_fps.get(name):
+            continue
+        diffs = layout.describe_diffs(p_descs[name], d_descs[name])
+        if not diffs and layout.is_split_pair(p_descs[name], d_descs[name]):
+            continue  # two TP splits of one format: compatible
+        out += [f"pool {name!r}: {diff} (prefill vs decode)"
+                for diff in diffs or ["layout fingerprints differ"]]
+    return out
+
+
 def layout_error(reason: str) -> LayoutMismatchError:
     return LayoutMismatchError(f"layout mismatch, refused before any write: {reason}")
 

@@ -42,6 +42,7 @@ from .chunks import (
 )
 from .clock import MONOTONIC, Clock
 from .config import EngineConfig, KVPoll, RequestStats
+from .echo import EchoServer
 from .engine import Engine
 from .errors import ClosedError, LayoutError, RequestError
 from .handshake import Refusal
@@ -51,6 +52,7 @@ from .protocol import (
     Abort,
     AbortAck,
     Done,
+    Echo,
     Expect,
     Fenced,
     Hello,
@@ -89,6 +91,7 @@ class PrefillEngine(Engine):
         self._sessions: dict[str, DecodePeer] = {}  # shared with `_peers`, which adds and drops
         self._links: set[ControlConn] = set()  # likewise: every control link, watched by `_tick`
         self._peers: DecodePeers | None = None  # made once the progress loop exists
+        self._echo: EchoServer | None = None  # likewise
         super().__init__(pools, config, clock=clock)
         cfg = self.config
         self._timing = Timing(cfg.request_wait, cfg.grace)
@@ -101,6 +104,9 @@ class PrefillEngine(Engine):
             # (the fault tests wrap `_on_message`) still sees every message
             on_message=lambda link, msg: self._on_message(link, msg),
             closed=lambda: self._closed)
+        # `pdxfer probe`'s data-path check (`Echo`): a write of its own pattern, off the pools.
+        self._echo = EchoServer(self._transport, self._progress, cfg.connect_wait,
+                                f"pdxfer-echo-{self.engine_id}")
         try:
             listener = listen(cfg.host, cfg.port, "prefill")
         except BaseException:
@@ -254,6 +260,8 @@ class PrefillEngine(Engine):
                 return self._peers.cut(session, f"decode {session.engine} fenced this prefill", fenced=True)
         if isinstance(msg, Renew):
             return self._on_renew(link, msg)
+        if isinstance(msg, Echo):
+            return self._echo.answer(session, msg)
         if not isinstance(msg, (Done, Abort)):
             if not isinstance(msg, Ping):
                 link.refuse(f"a prefill does not accept {type(msg).TYPE!r} messages")
@@ -357,6 +365,8 @@ class PrefillEngine(Engine):
     def _join_workers(self) -> None:
         if self._peers is not None:
             self._peers.join(self.config.shutdown_wait)
+        if self._echo is not None:
+            self._echo.close(self.config.shutdown_wait)
 
     def _shutdown_on_thread(self) -> None:
         assert self._peers is not None

@@ -228,7 +228,9 @@ class DecodePeers:
         link.owner = Refusal(kind, reason)
         link.handshaken = False
         link.opened = self._progress.clock.now()  # its connect_timeout to hang up runs from the refusal
-        link.send(Refuse(kind, reason))
+        # Who refused and its pools: the decode (or `pdxfer probe`) can name every difference.
+        link.send(Refuse(kind, reason, self.engine_id, self.config.transport, self._pools.descs,
+                         self._pools.fingerprints))
 
     def _link_lost(self, link: ControlConn, reason: str) -> None:
         self._links.discard(link)

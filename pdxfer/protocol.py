@@ -28,7 +28,14 @@ The conversation:
     decode  → prefill   Renew      request ids the decode has queued (`DecodeEngine.hold`, not
                                    expected yet): the prefill renews their hold — a sent
                                    request's wait for its Expect starts again (version 5)
+    decode  → prefill   Echo       a probe's data-path check: write `nbytes` of the echo
+                                   pattern into one of the decode's regions (version 6)
+    prefill → decode    EchoDone   that write's outcome and its wire time (version 6)
     either  → other     Ping       liveness while idle
+
+A `Refuse` carries the refusing prefill's engine id, transport and pools
+(version 6), so the refused side can name every difference, not only the
+first (`pdxfer probe`).
 
 `xid` is a transfer id the decode engine picks per `expect`: a request id may
 be reused after `release`, and every message about a request carries the xid
@@ -53,8 +60,9 @@ import numpy as np
 from pdxfer.transport.errors import ProtocolError
 from pdxfer.transport.wire import LENGTH, Protocol
 
-VERSION = 5  # 2: Fenced; 3: LiveRange; 4: Abort/AbortAck name their `links` (#25.1);
-# 5: Expect.offsets (tail-only Expect) and Renew (a decode keeps a prefill's hold, #30, #31)
+VERSION = 6  # 2: Fenced; 3: LiveRange; 4: Abort/AbortAck name their `links` (#25.1);
+# 5: Expect.offsets (tail-only Expect) and Renew (a decode keeps a prefill's hold, #30, #31);
+# 6: Refuse says who refused and its pools, Echo/EchoDone (`pdxfer probe`, #32)
 # Data links an Abort/AbortAck may name: a prefill has one live data link per decode and
 # a few it has just cut; anything longer is refused as malformed.
 MAX_LINKS = 64
@@ -63,6 +71,8 @@ MAX_RENEW = 1024
 # A Hello carries every pool's description and every region descriptor; 4 MiB
 # leaves room for hundreds of fields while refusing a garbage length outright.
 MAX_FRAME = 4 << 20
+# Largest Echo write: a probe's data-path check and bandwidth figure, not a benchmark.
+MAX_ECHO = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,12 @@ class Refuse:
     TYPE: ClassVar[str] = "refuse"
     kind: str  # "layout" | "transport"
     reason: str
+    # Who refused (version 6): the prefill's engine id, transport and pools, so the
+    # decode (or `pdxfer probe`) can name every difference, not only the first.
+    engine: str = ""
+    transport: str = ""
+    pools: dict = field(default_factory=dict)
+    fingerprints: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -195,6 +211,34 @@ class Renew:
 
 
 @dataclass(frozen=True)
+class Echo:
+    """A probe asks for a data-path check: `nbytes` of `echo_pattern` into one of its regions.
+
+    The prefill writes from a pattern buffer of its own (never from its pools:
+    their bytes change under a running model), at offset 0 of `region` (one
+    its Hello named), and answers `EchoDone` once the write completed or
+    failed (`pdxfer.echo`).
+    """
+
+    TYPE: ClassVar[str] = "echo"
+    xid: int
+    nbytes: int
+    region: int  # the decode's region id (its descriptor's "region"), written at offset 0
+
+
+@dataclass(frozen=True)
+class EchoDone:
+    """The prefill's answer to `Echo`: `ok`, or `error`; `wire_s` from post to completion."""
+
+    TYPE: ClassVar[str] = "echo_done"
+    xid: int
+    nbytes: int
+    ok: bool
+    error: str
+    wire_s: float
+
+
+@dataclass(frozen=True)
 class Ping:
     """Liveness on an idle link; any frame counts, this one says nothing else."""
 
@@ -225,9 +269,15 @@ class Landed:
 CONTROL = Protocol(
     "pdxfer-ctl",
     VERSION,
-    [Hello, Welcome, Refuse, Expect, Done, Abort, AbortAck, Fenced, LiveRange, Ping, Landed, Renew],
+    [Hello, Welcome, Refuse, Expect, Done, Abort, AbortAck, Fenced, LiveRange, Ping, Landed, Renew,
+     Echo, EchoDone],
     max_frame=MAX_FRAME,
 )
+
+
+def echo_pattern(nbytes: int) -> np.ndarray:
+    """The bytes an Echo writes: position mod 251 (a prime, so no power-of-two stride repeats it)."""
+    return (np.arange(nbytes, dtype=np.int64) % 251).astype(np.uint8)
 
 
 def encode_notify(msg: Landed) -> bytes:

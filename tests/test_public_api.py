@@ -10,7 +10,7 @@ from pdxfer import layout, transport
 
 TRANSPORT = [
     "BoundsError", "Capabilities", "CapabilityError", "CloseError", "ClosedError", "Connection",
-    "LocalRegion",
+    "DeviceRegistrationError", "LocalRegion",
     "NotifyHandler", "PeerLostError", "ProtocolError", "RegistrationError", "TransferHandle",
     "TransferTimeout", "TransportEngine", "TransportError", "available", "capabilities", "create",
     "known", "variants", "why_unavailable",
@@ -22,6 +22,7 @@ LAYOUT = [
     "SplitEntryMajorArena", "adopt_ranges", "arena_buffers", "build_page_major_mamba_views",
     "build_page_major_mha_views", "carve", "carve_layer_major", "check_indices",
     "checkpoint_ranges_for", "coalesce", "contributing_ranks", "describe", "describe_diff",
+    "describe_diffs",
     "entry_bytes_for", "field_extents", "fingerprint", "is_split_pair", "mamba_entry_bytes",
     "mha_entry_bytes", "pair_pieces", "plan_field_planes", "plan_rank_pair", "plan_regions",
     "plan_resize", "plan_segments", "rank_pair", "relocate", "replica_source", "shard_geometry",

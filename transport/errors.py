@@ -28,6 +28,20 @@ class CapabilityError(TransportError):
     """The backend cannot do what was asked (e.g. CUDA memory over a host-only backend)."""
 
 
+class DeviceRegistrationError(RegistrationError, CapabilityError):
+    """GPU memory the NIC cannot register; `missing` names what this host lacks for it.
+
+    The pieces, in `transport.gpudirect`'s words: "nvidia_peermem" (the kernel
+    module), "dma-buf" (a 5.12+ kernel and a driver that exports it), "memlock"
+    (`RLIMIT_MEMLOCK` below the bytes pinned). A `CapabilityError` too: the
+    host cannot do it, whatever the caller changes in its call.
+    """
+
+    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
+
+
 class ProtocolError(TransportError):
     """A malformed, oversized, unknown-type or wrong-version control frame."""
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -22,11 +23,12 @@ ROOT = HERE.parents[1]
 class Proc:
     """A helper process answering one line per command."""
 
-    def __init__(self, script: str, *args: str) -> None:
+    def __init__(self, script: str, *args: str, stderr: Any = None) -> None:
+        """`stderr`: a file for the process's log (default: the test's own stderr)."""
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / script), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=ROOT,
         )
         word, self.address = self.line().split()
         assert word == "READY"
@@ -80,10 +82,11 @@ def _csv(values: list[int]) -> str:
 class Prefill(Proc):
     """`prefill_proc.py`: `address` is its bootstrap address."""
 
-    def __init__(self, backend: str, port: int = 0, timeout: float = 2.0, *extra: str) -> None:
+    def __init__(self, backend: str, port: int = 0, timeout: float = 2.0, *extra: str,
+                 stderr: Any = None) -> None:
         """`extra`: more `prefill_proc.py` options (`--kind layer`, `--entries`, `--grace`, `--fence off`)."""
         super().__init__("prefill_proc.py", "--transport", backend, "--port", str(port),
-                         "--timeout", str(timeout), *extra)
+                         "--timeout", str(timeout), *extra, stderr=stderr)
 
     def send(self, rid: str, kv: list[int], state: list[int]) -> None:
         assert self.ask(f"send {rid} {_csv(kv)} {_csv(state)}") == f"SENT {rid}"

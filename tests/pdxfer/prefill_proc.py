@@ -7,6 +7,7 @@ Then one command per line:
     send <rid> <kv indices, comma-separated> <state indices, comma-separated or ->
     wait <rid>        -> prints `OK <rid>` or `FAIL <rid> <reason>`
     until <rid> <state> -> prints `AT <rid> <state>` once poll(rid) reaches it (polled, bounded)
+    peers <n>         -> prints `PEERS <count>` once `len(engine.peers())` is n (polled, bounded)
     quit
 
 Every reply is one flushed line, so the test can step it in lock-step.
@@ -53,7 +54,13 @@ def main() -> int:
             now = poll_or_none(engine, rid)
         return f"AT {rid} {engine.poll(rid).name}"
 
-    serve(engine, {"send": send, "until": until})
+    def peers(n: str) -> str:
+        deadline = time.monotonic() + 30.0
+        while len(engine.peers()) != int(n) and time.monotonic() < deadline:
+            time.sleep(0.001)  # polling a table the progress thread changes, bounded
+        return f"PEERS {len(engine.peers())}"
+
+    serve(engine, {"send": send, "until": until, "peers": peers})
     return 0
 
 

@@ -122,3 +122,68 @@ def test_ucx_lists_the_transports_ucx_reports() -> None:
 ])
 def test_byte_size_units(text: str, value: int) -> None:
     assert byte_size(text) == value
+
+
+def test_on_this_host_every_topic_is_reported_as_the_host_is() -> None:
+    """What doctor finds here (docs/troubleshooting.md states it): each topic, matching the host."""
+    import torch
+
+    run = _run("--json")
+    assert run.returncode == 0, run.stderr
+    found = _findings(run)
+    assert {name for topic, name in found if topic == "backend"} == set(transport.known())
+    assert found[("backend", "tcp")]["ok"] is True
+    assert found[("memlock", "RLIMIT_MEMLOCK")]["ok"] is None  # no --pin: information
+    rdma = [f for (topic, _), f in found.items() if topic == "rdma"]
+    if not doctor.SYSFS_RDMA.is_dir():
+        assert [f["ok"] for f in rdma] == [None] and "is absent" in rdma[0]["detail"]
+    else:
+        assert rdma and all(f["ok"] in (True, False, None) for f in rdma)
+    assert (found[("cuda", "torch")]["ok"] is True) is torch.cuda.is_available()
+    assert ("cuda", "gpu-direct") in found or not torch.cuda.is_available()
+    assert ("ucx", "transports") in found
+
+
+def _fake_gpu_host(tmp_path, *, peermem: bool) -> tuple:
+    """A two-NIC RDMA host's sysfs (ports, GIDs, NUMA) and its module tree (driver, peermem)."""
+    ib = tmp_path / "infiniband"
+    for dev, layer, numa, gids in (("mlx5_0", "Ethernet", "0", 2), ("mlx5_1", "InfiniBand", "1", 1)):
+        port = ib / dev / "ports" / "1"
+        (port / "gids").mkdir(parents=True)
+        (port / "state").write_text("4: ACTIVE\n")
+        (port / "link_layer").write_text(f"{layer}\n")
+        for i in range(4):
+            (port / "gids" / str(i)).write_text(
+                f"fe80:0000:0000:0000:0000:0000:0000:000{i + 1}\n" if i < gids else "0000:" * 7 + "0000\n")
+        (ib / dev / "device").mkdir()
+        (ib / dev / "device" / "numa_node").write_text(f"{numa}\n")
+    modules = tmp_path / "module"
+    (modules / "nvidia").mkdir(parents=True)
+    (modules / "nvidia" / "version").write_text("550.54.15\n")
+    if peermem:
+        (modules / "nvidia_peermem").mkdir()
+    return ib, modules
+
+
+def test_a_faked_rdma_gpu_host_with_peermem_is_ready_for_gpu_direct(tmp_path) -> None:
+    ib, modules = _fake_gpu_host(tmp_path, peermem=True)
+    rdma = {f.name: f for f in doctor.rdma(ib)}
+    assert rdma["mlx5_0/1"].ok and rdma["mlx5_0/1"].detail == (
+        "state 4: ACTIVE, link layer Ethernet, 2 GID(s) set, NUMA node 0")
+    assert rdma["mlx5_1/1"].ok and rdma["mlx5_1/1"].detail == (
+        "state 4: ACTIVE, link layer InfiniBand, 1 GID(s) set, NUMA node 1")
+    gpus, direct = doctor.cuda(["NVIDIA H100 80GB HBM3"] * 2, modules, "5.15.0-91-generic")
+    assert gpus.ok and "2 device(s): NVIDIA H100 80GB HBM3" in gpus.detail
+    assert direct.ok is True and direct.fix == ""
+    assert direct.detail == ("nvidia_peermem loaded; kernel 5.15.0-91-generic supports dma-buf MRs "
+                             "(5.12+); NVIDIA driver 550.54.15")
+    # dma-buf alone (a 5.12+ kernel, no peermem) is a path too
+    assert doctor.cuda(["NVIDIA H100"], _fake_gpu_host(tmp_path / "b", peermem=False)[1], "6.8.0")[1].ok
+
+
+def test_a_faked_gpu_host_without_peermem_on_an_old_kernel_names_both_fixes(tmp_path) -> None:
+    _, modules = _fake_gpu_host(tmp_path, peermem=False)
+    _, direct = doctor.cuda(["NVIDIA A100"], modules, "5.4.0-150-generic")
+    assert direct.ok is False
+    assert "nvidia_peermem not loaded; kernel 5.4.0-150-generic predates dma-buf" in direct.detail
+    assert "`modprobe nvidia-peermem`" in direct.fix and "predates dma-buf MRs (5.12+)" in direct.fix

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import gpudirect
 from ..errors import CapabilityError, ClosedError, PeerLostError, RegistrationError, TransportError
 from ..ucxenv import interface_of, route_ucx_log
 
@@ -227,6 +228,9 @@ class Initiator:
             try:
                 handle = self.agent.register_memory(region.data)
             except Exception as exc:
+                if region.device == "cuda" and not isinstance(exc, TransportError):
+                    raise gpudirect.registration_error(  # name what the host lacks for VRAM
+                        "NIXL", region.length, f"{type(exc).__name__}: {exc}") from exc
                 raise translate(exc, f"registering {region.length} B with NIXL") from exc
             self._handles[region.region_id] = handle
         return Registration(self, handle, region.region_id)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .. import gpudirect
 from ..errors import CapabilityError, RegistrationError
 from ..regions import Region
 from .cuda import Allocation, DmaBufs, Export, Flushes, FlushHold
@@ -72,16 +73,16 @@ def prepare(driver: Any, dmabufs: DmaBufs, flushes: Flushes, region: Region) -> 
         if not os.path.isdir(PEERMEM):
             if flush is not None:
                 flush.close()
-            raise _neither(error) from exc
+            raise _neither(error, region.length) from exc
     region.adopt("cuda", CudaRegion(alloc, export, flush, error))
     return alloc
 
 
-def _neither(dmabuf_error: str) -> CapabilityError:
-    return CapabilityError(
-        f"cannot register CUDA memory with the NIC: dma-buf MR failed ({dmabuf_error}) and the "
-        "nvidia-peermem module is not loaded; use the open GPU kernel modules with a dma-buf "
-        "capable kernel, or `modprobe nvidia-peermem`")
+def _neither(dmabuf_error: str, nbytes: int) -> CapabilityError:
+    """Neither GPU path works: a `DeviceRegistrationError` naming what this host lacks."""
+    return gpudirect.registration_error(
+        "the verbs NIC", nbytes, f"dma-buf MR failed ({dmabuf_error}) and the nvidia-peermem "
+        "module is not loaded", dmabuf_error=dmabuf_error)
 
 
 def register_mr(api: Any, pd: Any, region: Region, access: int) -> tuple[Any, int]:
@@ -93,7 +94,7 @@ def register_mr(api: Any, pd: Any, region: Region, access: int) -> tuple[Any, in
             return api.DmaBufMR(pd, region.length, access, dmabuf=cuda.export.fd, offset=offset), offset
         except api.PyverbsError as exc:
             if not os.path.isdir(PEERMEM):
-                raise _neither(str(exc)) from exc
+                raise _neither(str(exc), region.length) from exc
             cuda.use_peermem(str(exc))
     if not region.start:
         raise RegistrationError("a region at address 0 cannot be registered by address")
@@ -101,7 +102,9 @@ def register_mr(api: Any, pd: Any, region: Region, access: int) -> tuple[Any, in
         return api.MR(pd, region.length, access, address=region.start), region.start
     except api.PyverbsError as exc:
         if cuda is not None:
-            raise RegistrationError(f"peermem registration of CUDA memory failed: {exc}") from exc
+            raise gpudirect.registration_error("the verbs NIC", region.length,
+                                               f"peermem MR failed: {exc}",
+                                               dmabuf_error=cuda.dmabuf_error) from exc
         raise RegistrationError(
             f"ibv_reg_mr of {region.length} B at {region.start:#x} failed: {exc}; "
             "raise the memlock limit (ulimit -l) or register less memory"
