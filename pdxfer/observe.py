@@ -1,0 +1,376 @@
+"""What an engine tells an operator: Prometheus metrics and per-request traces (#32).
+
+One `Observer` per engine, made by `Engine.__init__` and handed to the few
+places where the facts are born, so each is counted once:
+
+- the request table (`requests.RequestTable`): every caller-visible state
+  change (add, advance, quarantine, finish) goes through it — that is where
+  outcomes, failure reasons, end-to-end and wire time are counted and where
+  a trace records each state;
+- the drivers' effects (`prefill._apply`, `decode._apply`): each control
+  message a transition sends (Expect, Done, Abort, AbortAck);
+- the data path: each write posted (`chunks.post_parts`), each notify
+  landed (`decode._apply_landed`);
+- the links: handshakes done, refused, lost, and the decode's dials.
+
+Everything that is a level rather than an event (requests in flight by
+state, links up, registered bytes, control backlog, the transport's bounce
+and scratch use) is read when Prometheus scrapes, by a collector asking the
+engine (`Observer.levels`): it costs the hot path nothing.
+
+Metrics use `prometheus_client` (the ecosystem's library, the optional
+`metrics` extra), one `CollectorRegistry` per engine, so several engines in
+one process never collide; nothing is served from here — a launcher or the
+CLI exposes `Observer.registry` (`serve_metrics`). Without the package,
+metrics are off and the calls below cost one attribute test.
+
+Traces are always kept (unless `EngineConfig(traces=0)`): a running
+request's events on its record, bounded per request, and the timelines of
+the last `traces` finished requests in a ring, so memory does not grow with
+traffic. `Engine.trace(rid)` returns one; each event is also a structured
+DEBUG log line on the `pdxfer.trace` logger. OpenTelemetry spans are not
+emitted (not built: a log handler or `trace()` feeds an exporter).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from pdxfer.transport.errors import (
+    CapabilityError,
+    ClosedError,
+    PeerLostError,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+)
+
+from .config import KVPoll
+from .errors import ConfigError, LayoutError, LayoutMismatchError
+
+log = logging.getLogger("pdxfer.trace")
+
+# Events kept per running request; past it only its final events are (a request of
+# thousands of chunks must not hold thousands of tuples).
+EVENTS_PER_REQUEST = 256
+
+# Failure reasons, the `reason` label of `pdxfer_request_failures_total`: a fixed set,
+# so a label never carries a request id or an address (cardinality stays bounded).
+REASONS = ("peer_lost", "timeout", "layout_refused", "aborted_prefill", "aborted_decode",
+           "closed", "protocol", "refused", "transport", "other")
+
+# Seconds: a request's wire and end-to-end time span tens of microseconds (one
+# page on loopback) to tens of seconds (a stalled peer hitting its timeout).
+TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class TraceEvent(NamedTuple):
+    """One event of a request's timeline: seconds since the request began, what, details."""
+
+    t: float
+    event: str
+    detail: str
+
+
+def metrics_available() -> bool:
+    """Whether `prometheus_client` imports here (`pip install 'pdxfer[metrics]'`)."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def failure_kind(role: str, reason: str | None, error: BaseException | None) -> str:
+    """The `reason` label of a failure: what caused it, from one of `REASONS`.
+
+    Decided from the exception's class first (the engine raises a class per
+    cause), then from who aborted: an abort carries no exception on the side
+    that asked for it and a plain `RequestError` on the side that was told.
+    """
+    text = reason or ""
+    if isinstance(error, TransferTimeout):
+        return "timeout"
+    if isinstance(error, (LayoutMismatchError, LayoutError)) or "layout mismatch" in text:
+        return "layout_refused"
+    if isinstance(error, PeerLostError):
+        return "peer_lost"
+    if isinstance(error, ClosedError):
+        return "closed"
+    if isinstance(error, ProtocolError):
+        return "protocol"
+    if isinstance(error, CapabilityError):
+        return "refused"
+    if isinstance(error, TransportError):
+        return "transport"
+    if text.startswith("aborted by prefill"):
+        return "aborted_prefill"
+    if text.startswith("aborted by decode"):
+        return "aborted_decode"
+    if error is None or type(error).__name__ == "RequestError":
+        # the other side's word: its abort, its timeout, its refusal of the id
+        return "aborted_decode" if role == "prefill" else "aborted_prefill"
+    return "other"
+
+
+class _Metrics:
+    """The series of one engine, in its own registry; bound to (role, backend) once."""
+
+    def __init__(self, role: str, backend: str, levels: Callable[[], dict]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.role, self.backend = role, backend
+        labels = ("role", "backend")
+        reg = self.registry
+
+        def bound(metric: Any) -> Any:
+            return metric.labels(role, backend)
+
+        self.started = bound(Counter("pdxfer_requests_started", "Requests this engine began "
+                                     "tracking (send/expect, or a decode's Expect on a prefill)",
+                                     labels, registry=reg))
+        done = Counter("pdxfer_requests", "Requests finished, by outcome (success, failed)",
+                       (*labels, "outcome"), registry=reg)
+        self.succeeded, self.failed = done.labels(role, backend, "success"), done.labels(
+            role, backend, "failed")
+        self.failures = Counter("pdxfer_request_failures", "Failed requests by cause (reason) "
+                                "and the state they had reached (phase)",
+                                (*labels, "reason", "phase"), registry=reg)
+        self.nbytes = bound(Counter("pdxfer_bytes", "Bytes moved by finished requests (prefill: "
+                                    "posted; decode: landed)", labels, registry=reg))
+        self.segments = bound(Counter("pdxfer_segments", "Contiguous byte ranges moved by "
+                                      "finished requests", labels, registry=reg))
+        self.transfers = bound(Counter("pdxfer_transfers", "Transfers (one per pool per chunk) "
+                                       "of finished requests", labels, registry=reg))
+        self.wire = bound(Histogram("pdxfer_request_wire_seconds", "Time on the wire of each "
+                                    "successful request (RequestStats.wire_s)", labels,
+                                    registry=reg, buckets=TIME_BUCKETS))
+        e2e = Histogram("pdxfer_request_seconds", "send/expect to the finish, by outcome",
+                        (*labels, "outcome"), registry=reg, buckets=TIME_BUCKETS)
+        self.e2e_ok, self.e2e_failed = e2e.labels(role, backend, "success"), e2e.labels(
+            role, backend, "failed")
+        self.quarantined = bound(Counter("pdxfer_requests_quarantined", "Requests that entered "
+                                         "Quarantined (failed, entries not free: no fence)",
+                                         labels, registry=reg))
+        self.quarantine_s = bound(Histogram("pdxfer_quarantine_seconds", "How long each "
+                                            "quarantined request stayed so", labels,
+                                            registry=reg, buckets=TIME_BUCKETS))
+        self.links = Counter("pdxfer_links", "Control links by event: opened (handshake done), "
+                             "lost, refused (with kind), dialed (decode: each connect attempt)",
+                             (*labels, "event", "kind"), registry=reg)
+        self.lag = bound(Histogram("pdxfer_progress_lag_seconds", "How late the progress loop "
+                                   "ran its timers (a loop blocked by a handler shows here)",
+                                   labels, registry=reg, buckets=LAG_BUCKETS))
+        reg.register(_Levels(role, backend, levels))
+
+
+class _Levels:
+    """A collector read at scrape time: what the engine holds now (costs nothing per request)."""
+
+    def __init__(self, role: str, backend: str, levels: Callable[[], dict]) -> None:
+        self._labels, self._levels = (role, backend), levels
+
+    def describe(self) -> list:
+        return []  # unchecked: the names are fixed here, and a scrape must not run `levels`
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        now = self._levels()
+        role, backend = self._labels
+        names = ["role", "backend"]
+        inflight = GaugeMetricFamily("pdxfer_requests_in_flight", "Unfinished requests by state",
+                                     labels=[*names, "state"])
+        for state in KVPoll:
+            if not state.finished:
+                inflight.add_metric([role, backend, state.name], now["states"].get(state, 0))
+        yield inflight
+        for name, doc in (("links_up", "Control links with a finished handshake"),
+                          ("control_backlog_bytes", "Control bytes queued to peers, unsent"),
+                          ("control_links_stuck", "Control links whose peer stopped reading")):
+            g = GaugeMetricFamily(f"pdxfer_{name}", doc, labels=names)
+            g.add_metric([role, backend], now[name])
+            yield g
+        reg = GaugeMetricFamily("pdxfer_registered_bytes", "Memory registered with the transport",
+                                labels=[*names, "device"])
+        for device, nbytes in sorted(now["registered"].items()):
+            reg.add_metric([role, backend, device], nbytes)
+        yield reg
+        use = GaugeMetricFamily("pdxfer_transport_usage", "The transport's own counts and bytes "
+                                "(TransportEngine.usage(): links_out/in, bounce_bytes, "
+                                "device_scratch_bytes, ...)", labels=[*names, "key"])
+        for key, value in sorted(now["usage"].items()):
+            use.add_metric([role, backend, key], value)
+        yield use
+
+
+class Observer:
+    """One engine's metrics (or none) and request traces; see the module docstring.
+
+    Every `on_*` method is called with the table lock held (or on the
+    progress thread, for links), so none blocks and none takes a lock of
+    its own besides the metrics library's.
+    """
+
+    def __init__(self, role: str, backend: str, *, metrics: bool | None, traces: int,
+                 levels: Callable[[], dict]) -> None:
+        self.role = role
+        self._other = "decode" if role == "prefill" else "prefill"
+        if metrics is None:
+            metrics = metrics_available()
+        elif metrics and not metrics_available():
+            raise ConfigError("EngineConfig.metrics=True needs prometheus_client, which is not "
+                              "installed; `pip install 'pdxfer[metrics]'`, or pass metrics=None "
+                              "(on when installed) or False")
+        self._m = _Metrics(role, backend, levels) if metrics else None
+        self._keep = traces
+        self._ring: collections.OrderedDict[str, tuple[float, list]] = collections.OrderedDict()
+        self._held: dict[int, float] = {}  # id(request) -> when it was quarantined
+
+    @property
+    def registry(self) -> Any:
+        """This engine's `prometheus_client.CollectorRegistry`, or None with metrics off."""
+        return self._m.registry if self._m is not None else None
+
+    # -- the request table (lock held) --------------------------------------------
+    def on_added(self, req: Any) -> None:
+        if self._keep:
+            req.trace = []
+        if self._m is not None:
+            self._m.started.inc()
+
+    def on_state(self, req: Any, state: KVPoll) -> None:
+        self.event(req, "state", state.name)
+
+    def on_quarantined(self, req: Any, reason: str) -> None:
+        self.event(req, "quarantined", reason, final=True)
+        if self._m is not None and id(req) not in self._held:
+            self._held[id(req)] = time.monotonic()
+            self._m.quarantined.inc()
+
+    def on_finished(self, req: Any) -> None:
+        ok = req.state is KVPoll.Success
+        self.event(req, "success" if ok else "failed", "" if ok else (req.reason or ""), final=True)
+        if req.trace is not None:
+            self._ring[req.id] = (req.started, req.trace)
+            self._ring.move_to_end(req.id)
+            while len(self._ring) > self._keep:
+                self._ring.popitem(last=False)
+        m = self._m
+        if m is None:
+            return
+        elapsed = req.ended - req.started
+        if ok:
+            m.succeeded.inc()
+            m.e2e_ok.observe(elapsed)
+            if req.wire_from is not None:
+                m.wire.observe(max(0.0, (req.wire_to or req.ended) - req.wire_from))
+        else:
+            m.failed.inc()
+            m.e2e_failed.observe(elapsed)
+            phase = getattr(req.life, "seen", req.state).name
+            m.failures.labels(m.role, m.backend, failure_kind(self.role, req.reason, req.error),
+                              phase).inc()
+        if req.nbytes:
+            m.nbytes.inc(req.nbytes)
+            m.segments.inc(req.segments)
+            m.transfers.inc(req.transfers)
+        held = self._held.pop(id(req), None) if self._held else None
+        if held is not None:
+            m.quarantine_s.observe(req.ended - held)
+
+    # -- events (lock held, or the record is the caller's) -----------------------
+    def event(self, req: Any, event: str, detail: str = "", *, final: bool = False) -> None:
+        """Append one event to the request's trace (and log it at DEBUG)."""
+        trace = req.trace
+        if trace is None or (len(trace) >= EVENTS_PER_REQUEST and not final):
+            return
+        now = time.monotonic()
+        trace.append((now, event, detail))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("pdxfer trace role=%s request=%r t=%.6f event=%s %s", self.role, req.id,
+                      now - req.started, event, detail,
+                      extra={"pdxfer_trace": {"role": self.role, "request": req.id,
+                                              "t": now - req.started, "event": event,
+                                              "detail": detail}})
+
+    def trace(self, req: Any, rid: str) -> tuple[TraceEvent, ...] | None:
+        """The timeline of `req` (a live record, or None) or of a finished `rid`; lock held."""
+        if req is not None and req.trace is not None:
+            started, events = req.started, req.trace
+        else:
+            kept = self._ring.get(rid)
+            if kept is None:
+                return None
+            started, events = kept
+        return tuple(TraceEvent(t - started, e, d) for t, e, d in events)
+
+    # -- links and the loop (progress thread) ---------------------------------------
+    def on_link(self, event: str, kind: str = "") -> None:
+        """A control link `event`: opened, lost, refused (`kind`: layout, transport, ...), dialed."""
+        if self._m is not None:
+            self._m.links.labels(self._m.role, self._m.backend, event, kind).inc()
+
+    def on_lag(self, late: float) -> None:
+        """The progress loop ran a due tick `late` seconds after it was due."""
+        if self._m is not None:
+            self._m.lag.observe(late)
+
+
+def serve_metrics(registries: Any, port: int, host: str = "127.0.0.1") -> tuple[Any, int]:
+    """Serve the registries' series over HTTP (`/metrics`) on a daemon thread: `(server, port)`.
+
+    For launchers and the CLI; the library never serves anything itself.
+    `registries`: one registry (`engine.metrics`) or several (a process
+    running a prefill and a decode), merged into one page. Port 0 picks a
+    free one, returned. `server.shutdown()` stops it.
+    """
+    if not metrics_available():
+        raise ConfigError("serving metrics needs prometheus_client, which is not installed; "
+                          "`pip install 'pdxfer[metrics]'`")
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    regs = [registries] if not isinstance(registries, (list, tuple)) else list(registries)
+    regs = [r for r in regs if r is not None]
+    if not regs:
+        raise ConfigError("no metrics to serve: the engine was built with EngineConfig("
+                          "metrics=False); build it with metrics=True")
+    if len(regs) == 1:
+        registry = regs[0]
+    else:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Merged(regs))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, server.server_address[1]
+
+
+class _Merged:
+    """Several registries' series as one page: a family two engines both export is listed once."""
+
+    def __init__(self, registries: list) -> None:
+        self._registries = registries
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.metrics_core import Metric
+
+        families: dict[str, Any] = {}
+        for registry in self._registries:
+            for family in registry.collect():
+                have = families.get(family.name)
+                if have is None:
+                    have = Metric(family.name, family.documentation, family.type, family.unit)
+                    have.samples = list(family.samples)
+                    families[family.name] = have
+                else:
+                    have.samples.extend(family.samples)
+        return iter(families.values())
