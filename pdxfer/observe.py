@@ -290,7 +290,12 @@ class Observer:
     def event(self, req: Any, event: str, detail: str = "", *, final: bool = False) -> None:
         """Append one event to the request's trace (and log it at DEBUG)."""
         trace = req.trace
-        if trace is None or (len(trace) >= EVENTS_PER_REQUEST and not final):
+        if trace is None:
+            return
+        if len(trace) >= EVENTS_PER_REQUEST and not final:
+            if len(trace) == EVENTS_PER_REQUEST:  # said once; later events until the end dropped
+                trace.append((time.monotonic(), "truncated",
+                              f"more than {EVENTS_PER_REQUEST} events; only the final ones kept"))
             return
         now = time.monotonic()
         trace.append((now, event, detail))
