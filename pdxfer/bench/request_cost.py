@@ -23,6 +23,14 @@ themselves, many times, and splits them:
   tables the engine posted on a bare transport pair — the floor the engine
   adds to.
 
+The observer's cost (#32: metrics and traces, `pdxfer/observe.py`): the
+totals above run with metrics on (when prometheus_client is installed) and
+traces on, the engine's default; `off` columns run a third pass with
+`EngineConfig(metrics=False, traces=0)`, and `hooks` times, outside any
+engine, every observer call one request makes on both sides (begun, its
+states, its events — a send, an expect, two writes, two notifies, the
+control messages — and its finish into the counters and histograms).
+
 A second table (`bench/rate.py`) sets the engine's requests/s and latency
 beside the bare transport's on the same tables (issue #13 goal 2).
 
@@ -63,9 +71,13 @@ def _med(values: list[float]) -> float:
 
 
 def _engine_pass(backend: str, reqs: list, batch: int, split: bool,
-                 entries: tuple[int, int] = ENTRIES) -> dict[str, list]:
-    """One run of all requests through a fresh engine pair: per-call times (ns)."""
-    cfg = EngineConfig(transport=backend, timeout=30.0)
+                 entries: tuple[int, int] = ENTRIES, observe: bool = True) -> dict[str, list]:
+    """One run of all requests through a fresh engine pair: per-call times (ns).
+
+    `observe` False: no metrics, no traces (the `off` columns).
+    """
+    cfg = (EngineConfig(transport=backend, timeout=30.0) if observe
+           else EngineConfig(transport=backend, timeout=30.0, metrics=False, traces=0))
     prefill = PrefillEngine(workload.pools("entry-major", *entries), cfg)
     decode = DecodeEngine(workload.pools("entry-major", *entries), cfg)
     out: dict[str, list] = {k: [] for k in ("send", "send_cpu", "plan", "post", "expect",
@@ -139,6 +151,41 @@ def _bare(backend: str, reqs: list, reps: int, entries: tuple[int, int] = ENTRIE
     return {"plan": _med(plans), "post": _med(posts)}
 
 
+def _hooks(reps: int = 20000) -> float:
+    """Median us of every observer call of one request, both sides (metrics + traces on)."""
+    from ..config import KVPoll
+    from ..observe import Observer, metrics_available
+    from ..requests import Request
+
+    class Life:  # the one field the observer reads of a lifecycle
+        seen = KVPoll.Transferring
+
+    levels = dict  # never scraped here
+    on = metrics_available()
+    sides = [Observer(role, "bench", metrics=on, traces=1024, levels=levels)
+             for role in ("prefill", "decode")]
+    clock = time.perf_counter_ns
+    times = []
+    for r in range(reps):
+        reqs = [Request(f"h{r}", Life()) for _ in sides]
+        t = clock()
+        for obs, req in zip(sides, reqs, strict=True):
+            obs.on_added(req)
+            obs.event(req, "expect", "x")
+            obs.event(req, "send", "last=True")
+            obs.on_state(req, KVPoll.WaitingForInput)
+            for part in range(2):
+                obs.event(req, "posted", f"chunk=0 part={part}/2 bytes=4096 segments=16")
+            obs.on_state(req, KVPoll.Transferring)
+            obs.event(req, "received", "done")
+            req.state, req.ended, req.nbytes, req.segments, req.transfers = (
+                KVPoll.Success, req.started + 0.001, 8192, 32, 2)
+            req.wire_from = req.started
+            obs.on_finished(req)
+        times.append(clock() - t)
+    return _med(times)
+
+
 COLUMNS = {
     "backend": "transport backend of both engines",
     "send us": "median wall us of PrefillEngine.send() (16 scattered pages + 1 state entry)",
@@ -150,6 +197,10 @@ COLUMNS = {
     "expect cpu us": "... the calling thread's CPU time",
     "expect check us": "expects.expect_message (index checks, size bound) on the same "
                        "destinations, timed on its own (second pass)",
+    "send off us": "send us with EngineConfig(metrics=False, traces=0): no observer (third pass)",
+    "expect off us": "expect us, likewise",
+    "hooks us": "every metrics + trace call one request makes on both sides, timed alone "
+                "(metrics on only where prometheus_client is installed)",
     "bare plan us": "plan_segments for both pools in a tight loop, no engine",
     "bare post us": "Connection.write of both tables on a bare transport pair, no engine",
 }
@@ -230,9 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     for backend in backends:
         whole: dict[str, list] = {}
         parts: dict[str, list] = {}
-        for _ in range(args.rounds):  # alternating, so load bursts hit both passes
-            for acc, split in ((whole, False), (parts, True)):
-                for k, v in _engine_pass(backend, reqs, args.batch, split, entries).items():
+        off: dict[str, list] = {}
+        for _ in range(args.rounds):  # alternating, so load bursts hit every pass
+            for acc, split, observe in ((whole, False, True), (parts, True, True),
+                                        (off, False, False)):
+                for k, v in _engine_pass(backend, reqs, args.batch, split, entries,
+                                         observe).items():
                     acc.setdefault(k, []).extend(v)
         bare = _bare(backend, reqs, args.requests, entries)
         own = [s - p - q for s, p, q in zip(parts["send"], parts["plan"], parts["post"], strict=True)]
@@ -242,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                "bookkeeping_us": _med(own),
                "expect_us": _med(whole["expect"]), "expect_cpu_us": _med(whole["expect_cpu"]),
                "expect_check_us": _med(parts["check"]),
+               "send_off_us": _med(off["send"]), "expect_off_us": _med(off["expect"]),
+               "hooks_us": _hooks(200 if args.tiny else 20000),
                "bare_plan_us": bare["plan"], "bare_post_us": bare["post"]}
         report.row(row)
         report.sample(backend=backend, send_ns=whole["send"], expect_ns=whole["expect"])
