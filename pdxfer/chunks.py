@@ -233,8 +233,8 @@ def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], l
         req.segments += len(table)
         req.transfers += 1
         if note is not None:
-            note(req, "posted", f"chunk={number} part={i}/{total} bytes={nbytes} "
-                                f"segments={len(table)}")
+            note(req, "posted", ("chunk={} part={}/{} bytes={} segments={}", number, i, total,
+                                 nbytes, len(table)))
 
 
 def note_wire_end(req: PrefillRequest) -> None:

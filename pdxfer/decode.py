@@ -156,7 +156,7 @@ class DecodeEngine(Engine):
             life = DecodeLife(rid, xid, msg, self._timing, self._progress.clock.now(), fence=self._can_fence)
             req = DecodeRequest(rid, life, dst, record)
             self._table.add(req)
-            self._observer.event(req, "expect", f"prefill={record.address} xid={xid}")
+            self._observer.event(req, "expect", ("prefill={} xid={}", record.address, xid))
             self._holds.pop(rid, None)  # expected now: its Expect takes over the prefill's wait
             self._schedule(req)
         self._progress.call(self._start, req)
@@ -399,8 +399,8 @@ class DecodeEngine(Engine):
                     req.nbytes += msg.nbytes
                     req.segments += msg.segments
                     req.transfers += 1
-                    self._observer.event(req, "landed", f"chunk={msg.chunk} part={msg.part}/"
-                                                        f"{msg.parts} bytes={msg.nbytes}")
+                    self._observer.event(req, "landed", ("chunk={} part={}/{} bytes={}", msg.chunk,
+                                                         msg.part, msg.parts, msg.nbytes))
                 self._apply(req, req.life.on_landed(msg.chunk, msg.part, msg.parts, msg.last, now))
 
     # -- control messages (progress thread) -----------------------------------------

@@ -34,6 +34,7 @@ emitted (not built: a log handler or `trace()` feeds an exporter).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import time
@@ -78,6 +79,11 @@ class TraceEvent(NamedTuple):
     detail: str
 
 
+def _text(detail: Any) -> str:
+    """An event's detail as text: a str as it is, `(format, *args)` formatted."""
+    return detail if isinstance(detail, str) else detail[0].format(*detail[1:])
+
+
 def metrics_available() -> bool:
     """Whether `prometheus_client` imports here (`pip install 'pdxfer[metrics]'`)."""
     try:
@@ -119,95 +125,142 @@ def failure_kind(role: str, reason: str | None, error: BaseException | None) -> 
     return "other"
 
 
+class _Hist:
+    """A histogram's buckets and sum, as plain numbers (the exposition is built at scrape)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: past every bound (+Inf only)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, doc: str, labels: list[str], values: list[str]) -> Any:
+        from prometheus_client.core import HistogramMetricFamily
+
+        fam = HistogramMetricFamily(name, doc, labels=labels)
+        fam.add_metric(values, self.buckets(), self.sum)
+        return fam
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip((*map(repr, self.bounds), "+Inf"), self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+
 class _Metrics:
-    """The series of one engine, in its own registry; bound to (role, backend) once."""
+    """One engine's counts, as plain numbers, and the registry that exposes them.
+
+    Written only under the engine's table lock (requests) or on its
+    progress thread (links, lag): an increment is an attribute add, not a
+    metrics library's locked call — the hot path's cost is what #32 bounds.
+    Prometheus reads them through `_Collector` at scrape time; a count read
+    mid-update is at most one event behind.
+    """
 
     def __init__(self, role: str, backend: str, levels: Callable[[], dict]) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import CollectorRegistry
 
-        self.registry = CollectorRegistry(auto_describe=True)
         self.role, self.backend = role, backend
-        labels = ("role", "backend")
-        reg = self.registry
-
-        def bound(metric: Any) -> Any:
-            return metric.labels(role, backend)
-
-        self.started = bound(Counter("pdxfer_requests_started", "Requests this engine began "
-                                     "tracking (send/expect, or a decode's Expect on a prefill)",
-                                     labels, registry=reg))
-        done = Counter("pdxfer_requests", "Requests finished, by outcome (success, failed)",
-                       (*labels, "outcome"), registry=reg)
-        self.succeeded, self.failed = done.labels(role, backend, "success"), done.labels(
-            role, backend, "failed")
-        self.failures = Counter("pdxfer_request_failures", "Failed requests by cause (reason) "
-                                "and the state they had reached (phase)",
-                                (*labels, "reason", "phase"), registry=reg)
-        self.nbytes = bound(Counter("pdxfer_bytes", "Bytes moved by finished requests (prefill: "
-                                    "posted; decode: landed)", labels, registry=reg))
-        self.segments = bound(Counter("pdxfer_segments", "Contiguous byte ranges moved by "
-                                      "finished requests", labels, registry=reg))
-        self.transfers = bound(Counter("pdxfer_transfers", "Transfers (one per pool per chunk) "
-                                       "of finished requests", labels, registry=reg))
-        self.wire = bound(Histogram("pdxfer_request_wire_seconds", "Time on the wire of each "
-                                    "successful request (RequestStats.wire_s)", labels,
-                                    registry=reg, buckets=TIME_BUCKETS))
-        e2e = Histogram("pdxfer_request_seconds", "send/expect to the finish, by outcome",
-                        (*labels, "outcome"), registry=reg, buckets=TIME_BUCKETS)
-        self.e2e_ok, self.e2e_failed = e2e.labels(role, backend, "success"), e2e.labels(
-            role, backend, "failed")
-        self.quarantined = bound(Counter("pdxfer_requests_quarantined", "Requests that entered "
-                                         "Quarantined (failed, entries not free: no fence)",
-                                         labels, registry=reg))
-        self.quarantine_s = bound(Histogram("pdxfer_quarantine_seconds", "How long each "
-                                            "quarantined request stayed so", labels,
-                                            registry=reg, buckets=TIME_BUCKETS))
-        self.links = Counter("pdxfer_links", "Control links by event: opened (handshake done), "
-                             "lost, refused (with kind), dialed (decode: each connect attempt)",
-                             (*labels, "event", "kind"), registry=reg)
-        self.lag = bound(Histogram("pdxfer_progress_lag_seconds", "How late the progress loop "
-                                   "ran its timers (a loop blocked by a handler shows here)",
-                                   labels, registry=reg, buckets=LAG_BUCKETS))
-        reg.register(_Levels(role, backend, levels))
+        self.started = self.succeeded = self.failed = 0
+        self.nbytes = self.segments = self.transfers = self.quarantined = 0
+        self.failures: dict[tuple[str, str], int] = {}
+        self.links: dict[tuple[str, str], int] = {}
+        self.wire = _Hist(TIME_BUCKETS)
+        self.e2e_ok, self.e2e_failed = _Hist(TIME_BUCKETS), _Hist(TIME_BUCKETS)
+        self.quarantine_s = _Hist(TIME_BUCKETS)
+        self.lag = _Hist(LAG_BUCKETS)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self, levels))
 
 
-class _Levels:
-    """A collector read at scrape time: what the engine holds now (costs nothing per request)."""
+class _Collector:
+    """What Prometheus reads: the counts of `_Metrics`, and the engine's levels now."""
 
-    def __init__(self, role: str, backend: str, levels: Callable[[], dict]) -> None:
-        self._labels, self._levels = (role, backend), levels
+    def __init__(self, m: _Metrics, levels: Callable[[], dict]) -> None:
+        self._m, self._levels = m, levels
 
     def describe(self) -> list:
-        return []  # unchecked: the names are fixed here, and a scrape must not run `levels`
+        return []  # unchecked: the names are fixed here, and a describe must not run `levels`
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        m = self._m
+        base, names = [m.role, m.backend], ["role", "backend"]
+
+        def counter(name: str, doc: str, value: float) -> Any:
+            fam = CounterMetricFamily(name, doc, labels=names)
+            fam.add_metric(base, value)
+            return fam
+
+        yield counter("pdxfer_requests_started", "Requests this engine began tracking "
+                      "(send/expect, or a decode's Expect on a prefill)", m.started)
+        done = CounterMetricFamily("pdxfer_requests", "Requests finished, by outcome "
+                                   "(success, failed)", labels=[*names, "outcome"])
+        done.add_metric([*base, "success"], m.succeeded)
+        done.add_metric([*base, "failed"], m.failed)
+        yield done
+        fails = CounterMetricFamily("pdxfer_request_failures", "Failed requests by cause "
+                                    "(reason) and the state they had reached (phase)",
+                                    labels=[*names, "reason", "phase"])
+        for (reason, phase), n in sorted(dict(m.failures).items()):
+            fails.add_metric([*base, reason, phase], n)
+        yield fails
+        yield counter("pdxfer_bytes", "Bytes moved by finished requests (prefill: posted; "
+                      "decode: landed)", m.nbytes)
+        yield counter("pdxfer_segments", "Contiguous byte ranges moved by finished requests",
+                      m.segments)
+        yield counter("pdxfer_transfers", "Transfers (one per pool per chunk) of finished "
+                      "requests", m.transfers)
+        yield m.wire.family("pdxfer_request_wire_seconds", "Time on the wire of each "
+                            "successful request (RequestStats.wire_s)", names, base)
+        e2e = m.e2e_ok.family("pdxfer_request_seconds", "send/expect to the finish, by outcome",
+                              [*names, "outcome"], [*base, "success"])
+        e2e.add_metric([*base, "failed"], m.e2e_failed.buckets(), m.e2e_failed.sum)
+        yield e2e
+        yield counter("pdxfer_requests_quarantined", "Requests that entered Quarantined "
+                      "(failed, entries not free: no fence)", m.quarantined)
+        yield m.quarantine_s.family("pdxfer_quarantine_seconds", "How long each quarantined "
+                                    "request stayed so", names, base)
+        links = CounterMetricFamily("pdxfer_links", "Control links by event: opened (handshake "
+                                    "done), lost, refused (with kind), dialed (decode: each "
+                                    "connect attempt)", labels=[*names, "event", "kind"])
+        for (event, kind), n in sorted(dict(m.links).items()):
+            links.add_metric([*base, event, kind], n)
+        yield links
+        yield m.lag.family("pdxfer_progress_lag_seconds", "How late the progress loop ran its "
+                           "timers (a loop blocked by a handler shows here)", names, base)
 
         now = self._levels()
-        role, backend = self._labels
-        names = ["role", "backend"]
         inflight = GaugeMetricFamily("pdxfer_requests_in_flight", "Unfinished requests by state",
                                      labels=[*names, "state"])
         for state in KVPoll:
             if not state.finished:
-                inflight.add_metric([role, backend, state.name], now["states"].get(state, 0))
+                inflight.add_metric([*base, state.name], now["states"].get(state, 0))
         yield inflight
         for name, doc in (("links_up", "Control links with a finished handshake"),
                           ("control_backlog_bytes", "Control bytes queued to peers, unsent"),
                           ("control_links_stuck", "Control links whose peer stopped reading")):
             g = GaugeMetricFamily(f"pdxfer_{name}", doc, labels=names)
-            g.add_metric([role, backend], now[name])
+            g.add_metric(base, now[name])
             yield g
         reg = GaugeMetricFamily("pdxfer_registered_bytes", "Memory registered with the transport",
                                 labels=[*names, "device"])
         for device, nbytes in sorted(now["registered"].items()):
-            reg.add_metric([role, backend, device], nbytes)
+            reg.add_metric([*base, device], nbytes)
         yield reg
         use = GaugeMetricFamily("pdxfer_transport_usage", "The transport's own counts and bytes "
                                 "(TransportEngine.usage(): links_out/in, bounce_bytes, "
                                 "device_scratch_bytes, ...)", labels=[*names, "key"])
         for key, value in sorted(now["usage"].items()):
-            use.add_metric([role, backend, key], value)
+            use.add_metric([*base, key], value)
         yield use
 
 
@@ -233,6 +286,7 @@ class Observer:
         self._keep = traces
         self._ring: collections.OrderedDict[str, tuple[float, list]] = collections.OrderedDict()
         self._held: dict[int, float] = {}  # id(request) -> when it was quarantined
+        self._debug = False  # the `pdxfer.trace` logger logs DEBUG (as of the last request begun)
 
     @property
     def registry(self) -> Any:
@@ -243,8 +297,10 @@ class Observer:
     def on_added(self, req: Any) -> None:
         if self._keep:
             req.trace = []
+            # asked once per request, not per event: a level set now shows from the next request
+            self._debug = log.isEnabledFor(logging.DEBUG)
         if self._m is not None:
-            self._m.started.inc()
+            self._m.started += 1
 
     def on_state(self, req: Any, state: KVPoll) -> None:
         self.event(req, "state", state.name)
@@ -253,7 +309,7 @@ class Observer:
         self.event(req, "quarantined", reason, final=True)
         if self._m is not None and id(req) not in self._held:
             self._held[id(req)] = time.monotonic()
-            self._m.quarantined.inc()
+            self._m.quarantined += 1
 
     def on_finished(self, req: Any) -> None:
         ok = req.state is KVPoll.Success
@@ -268,27 +324,31 @@ class Observer:
             return
         elapsed = req.ended - req.started
         if ok:
-            m.succeeded.inc()
+            m.succeeded += 1
             m.e2e_ok.observe(elapsed)
             if req.wire_from is not None:
                 m.wire.observe(max(0.0, (req.wire_to or req.ended) - req.wire_from))
         else:
-            m.failed.inc()
+            m.failed += 1
             m.e2e_failed.observe(elapsed)
-            phase = getattr(req.life, "seen", req.state).name
-            m.failures.labels(m.role, m.backend, failure_kind(self.role, req.reason, req.error),
-                              phase).inc()
-        if req.nbytes:
-            m.nbytes.inc(req.nbytes)
-            m.segments.inc(req.segments)
-            m.transfers.inc(req.transfers)
-        held = self._held.pop(id(req), None) if self._held else None
-        if held is not None:
-            m.quarantine_s.observe(req.ended - held)
+            key = (failure_kind(self.role, req.reason, req.error),
+                   getattr(req.life, "seen", req.state).name)
+            m.failures[key] = m.failures.get(key, 0) + 1
+        m.nbytes += req.nbytes
+        m.segments += req.segments
+        m.transfers += req.transfers
+        if self._held:
+            held = self._held.pop(id(req), None)
+            if held is not None:
+                m.quarantine_s.observe(req.ended - held)
 
     # -- events (lock held, or the record is the caller's) -----------------------
-    def event(self, req: Any, event: str, detail: str = "", *, final: bool = False) -> None:
-        """Append one event to the request's trace (and log it at DEBUG)."""
+    def event(self, req: Any, event: str, detail: Any = "", *, final: bool = False) -> None:
+        """Append one event to the request's trace (and log it at DEBUG).
+
+        `detail`: a str, or `(format, *args)` formatted only when read — a
+        posted write's numbers cost a tuple here, not a string.
+        """
         trace = req.trace
         if trace is None:
             return
@@ -299,12 +359,13 @@ class Observer:
             return
         now = time.monotonic()
         trace.append((now, event, detail))
-        if log.isEnabledFor(logging.DEBUG):
+        if self._debug:
+            text = _text(detail)
             log.debug("pdxfer trace role=%s request=%r t=%.6f event=%s %s", self.role, req.id,
-                      now - req.started, event, detail,
+                      now - req.started, event, text,
                       extra={"pdxfer_trace": {"role": self.role, "request": req.id,
                                               "t": now - req.started, "event": event,
-                                              "detail": detail}})
+                                              "detail": text}})
 
     def trace(self, req: Any, rid: str) -> tuple[TraceEvent, ...] | None:
         """The timeline of `req` (a live record, or None) or of a finished `rid`; lock held."""
@@ -315,13 +376,13 @@ class Observer:
             if kept is None:
                 return None
             started, events = kept
-        return tuple(TraceEvent(t - started, e, d) for t, e, d in events)
+        return tuple(TraceEvent(t - started, e, _text(d)) for t, e, d in list(events))
 
     # -- links and the loop (progress thread) ---------------------------------------
     def on_link(self, event: str, kind: str = "") -> None:
         """A control link `event`: opened, lost, refused (`kind`: layout, transport, ...), dialed."""
         if self._m is not None:
-            self._m.links.labels(self._m.role, self._m.backend, event, kind).inc()
+            self._m.links[(event, kind)] = self._m.links.get((event, kind), 0) + 1
 
     def on_lag(self, late: float) -> None:
         """The progress loop ran a due tick `late` seconds after it was due."""

@@ -149,7 +149,7 @@ class PrefillEngine(Engine):
                 chunk.parts = plan_chunk(req, chunk, self._pools)  # refusals raise here, before any change
             elif not checked:
                 self._check_sources(chunk)
-            self._observer.event(req, "send", f"last={chunk.last}")
+            self._observer.event(req, "send", ("last={}", chunk.last))
             self._apply(req, life.on_send(chunk, chunk.last, ready, now))
             req.sources.append(chunk.indices)  # in flight until the request finishes (resize)
             if session is not None and not ready:
@@ -324,7 +324,7 @@ class PrefillEngine(Engine):
                 req = PrefillRequest(rid, PrefillLife(rid, self._timing, now, local=False))
                 self._table.add(req)
             life = req.life
-            self._observer.event(req, "expect", f"decode={session.engine} xid={xid}")
+            self._observer.event(req, "expect", ("decode={} xid={}", session.engine, xid))
             if not life.expected and not life.finished:
                 req.session, req.peer, req.dst = session, session.engine, dst
                 req.cursor = dict.fromkeys(dst, 0)

@@ -26,8 +26,9 @@ themselves, many times, and splits them:
 The observer's cost (#32: metrics and traces, `pdxfer/observe.py`): the
 totals above run with metrics on (when prometheus_client is installed) and
 traces on, the engine's default; `off` columns run a third pass with
-`EngineConfig(metrics=False, traces=0)`, and `hooks` times, outside any
-engine, every observer call one request makes on both sides (begun, its
+`EngineConfig(metrics=False, traces=0)`, and `metrics`/`traces` time,
+outside any engine, every observer call one request makes on both sides,
+with one of the two on (begun, its
 states, its events — a send, an expect, two writes, two notifies, the
 control messages — and its finish into the counters and histograms).
 
@@ -151,8 +152,8 @@ def _bare(backend: str, reqs: list, reps: int, entries: tuple[int, int] = ENTRIE
     return {"plan": _med(plans), "post": _med(posts)}
 
 
-def _hooks(reps: int = 20000) -> float:
-    """Median us of every observer call of one request, both sides (metrics + traces on)."""
+def _hooks(reps: int, metrics: bool, traces: bool) -> float:
+    """Median us of every observer call of one request, both sides (`metrics`, `traces` on)."""
     from ..config import KVPoll
     from ..observe import Observer, metrics_available
     from ..requests import Request
@@ -161,8 +162,8 @@ def _hooks(reps: int = 20000) -> float:
         seen = KVPoll.Transferring
 
     levels = dict  # never scraped here
-    on = metrics_available()
-    sides = [Observer(role, "bench", metrics=on, traces=1024, levels=levels)
+    on = metrics and metrics_available()
+    sides = [Observer(role, "bench", metrics=on, traces=1024 if traces else 0, levels=levels)
              for role in ("prefill", "decode")]
     clock = time.perf_counter_ns
     times = []
@@ -199,8 +200,9 @@ COLUMNS = {
                        "destinations, timed on its own (second pass)",
     "send off us": "send us with EngineConfig(metrics=False, traces=0): no observer (third pass)",
     "expect off us": "expect us, likewise",
-    "hooks us": "every metrics + trace call one request makes on both sides, timed alone "
-                "(metrics on only where prometheus_client is installed)",
+    "metrics us": "every observer call one request makes on both sides, timed alone, metrics "
+                  "on and traces off (on only where prometheus_client is installed)",
+    "traces us": "... traces on and metrics off",
     "bare plan us": "plan_segments for both pools in a tight loop, no engine",
     "bare post us": "Connection.write of both tables on a bare transport pair, no engine",
 }
@@ -297,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                "expect_us": _med(whole["expect"]), "expect_cpu_us": _med(whole["expect_cpu"]),
                "expect_check_us": _med(parts["check"]),
                "send_off_us": _med(off["send"]), "expect_off_us": _med(off["expect"]),
-               "hooks_us": _hooks(200 if args.tiny else 20000),
+               "metrics_us": _hooks(200 if args.tiny else 20000, True, False),
+               "traces_us": _hooks(200 if args.tiny else 20000, False, True),
                "bare_plan_us": bare["plan"], "bare_post_us": bare["post"]}
         report.row(row)
         report.sample(backend=backend, send_ns=whole["send"], expect_ns=whole["expect"])
