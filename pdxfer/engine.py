@@ -263,7 +263,16 @@ class Engine:
         return {"states": states, "links_up": self._links_up(),
                 "control_backlog_bytes": sum(link.backlog for link in links),
                 "control_links_stuck": sum(1 for link in links if link.stuck_since is not None),
-                "registered": registered, "usage": self._transport.usage()}
+                "registered": registered, "usage": self._usage_now()}
+
+    def _usage_now(self) -> dict[str, int]:
+        """The transport's usage, or nothing once it is closed (a scrape may come after close)."""
+        if self._closed:
+            return {}
+        try:
+            return self._transport.usage()
+        except Exception:  # noqa: BLE001 — a scrape must not fail on a closing transport
+            return {}
 
     def _control_links(self) -> list[Any]:
         """The role's control links now (read off the progress thread: a copy)."""

@@ -53,6 +53,9 @@ from pdxfer.transport.errors import (
 from .config import KVPoll
 from .errors import ConfigError, LayoutError, LayoutMismatchError
 
+__all__ = ["EVENTS_PER_REQUEST", "REASONS", "Observer", "TraceEvent", "failure_kind",
+           "metrics_available", "serve_metrics"]
+
 log = logging.getLogger("pdxfer.trace")
 
 # Events kept per running request; past it only its final events are (a request of
