@@ -287,7 +287,10 @@ class Observer:
                               "(on when installed) or False")
         self._m = _Metrics(role, backend, levels) if metrics else None
         self._keep = traces
-        self._ring: collections.OrderedDict[str, tuple[float, list]] = collections.OrderedDict()
+        # Finished timelines, newest last: appending is the hot path (one C call, the oldest
+        # dropped by maxlen); `trace()` scans it, which only a reader pays for.
+        self._ring: collections.deque[tuple[str, float, list]] = collections.deque(
+            maxlen=max(1, traces))
         self._held: dict[int, float] = {}  # id(request) -> when it was quarantined
         self._debug = False  # the `pdxfer.trace` logger logs DEBUG (as of the last request begun)
 
@@ -318,10 +321,7 @@ class Observer:
         ok = req.state is KVPoll.Success
         self.event(req, "success" if ok else "failed", "" if ok else (req.reason or ""), final=True)
         if req.trace is not None:
-            self._ring[req.id] = (req.started, req.trace)
-            self._ring.move_to_end(req.id)
-            while len(self._ring) > self._keep:
-                self._ring.popitem(last=False)
+            self._ring.append((req.id, req.started, req.trace))
         m = self._m
         if m is None:
             return
@@ -375,10 +375,10 @@ class Observer:
         if req is not None and req.trace is not None:
             started, events = req.started, req.trace
         else:
-            kept = self._ring.get(rid)
-            if kept is None:
+            found = next((k for k in reversed(self._ring) if k[0] == rid), None)  # newest first
+            if found is None:
                 return None
-            started, events = kept
+            _, started, events = found
         return tuple(TraceEvent(t - started, e, _text(d)) for t, e, d in list(events))
 
     # -- links and the loop (progress thread) ---------------------------------------
