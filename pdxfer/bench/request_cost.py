@@ -152,51 +152,60 @@ def _bare(backend: str, reqs: list, reps: int, entries: tuple[int, int] = ENTRIE
     return {"plan": _med(plans), "post": _med(posts)}
 
 
-def _hooks(reps: int, metrics: bool, traces: bool) -> float:
-    """CPU us of every observer call of one request, both sides (`metrics`, `traces` on).
+def _hooks(sides: list, batch: int, start: int) -> float:
+    """CPU ns per request of every observer call one request makes on both `sides`.
 
-    The calling thread's CPU time (`thread_time`) over batches of 500 requests,
-    median batch: wall time on a shared machine measures the other tenants.
+    The calling thread's CPU time (`thread_time`) over the batch: wall time on
+    a shared machine measures the other tenants.
     """
     from ..config import KVPoll
-    from ..observe import Observer, metrics_available
     from ..requests import Request
 
     class Life:  # the one field the observer reads of a lifecycle
         seen = KVPoll.Transferring
 
-    on = metrics and metrics_available()
-    sides = [Observer(role, "bench", metrics=on, traces=1024 if traces else 0, levels=dict)
-             for role in ("prefill", "decode")]
-    batch, per = 500, []
     posted = ("chunk={} part={}/{} bytes={} segments={}", 0, 0, 2, 4096, 16)
-    for start in range(0, max(reps, batch), batch):
-        reqs = [(Request(f"h{start + i}", Life()), Request(f"h{start + i}", Life()))
-                for i in range(batch)]
-        t = time.thread_time_ns()
-        for pair in reqs:
-            for obs, req in zip(sides, pair, strict=True):
-                obs.on_added(req)
-                obs.event(req, "expect", ("decode={} xid={}", "peer", 1))
-                obs.event(req, "send", ("last={}", True))
-                obs.on_state(req, KVPoll.WaitingForInput)
-                obs.event(req, "posted", posted)
-                obs.event(req, "posted", posted)
-                obs.on_state(req, KVPoll.Transferring)
-                obs.event(req, "received", "done")
-                req.state, req.ended, req.nbytes, req.segments, req.transfers = (
-                    KVPoll.Success, req.started + 0.001, 8192, 32, 2)
-                req.wire_from = req.started
-                obs.on_finished(req)
-        per.append((time.thread_time_ns() - t) / batch)
-    return _med(per)
+    reqs = [[Request(f"h{start + i}", Life()) for _ in sides] for i in range(batch)]
+    t = time.thread_time_ns()
+    for pair in reqs:
+        for obs, req in zip(sides, pair, strict=True):
+            obs.on_added(req)
+            obs.event(req, "expect", ("decode={} xid={}", "peer", 1))
+            obs.event(req, "send", ("last={}", True))
+            obs.on_state(req, KVPoll.WaitingForInput)
+            obs.event(req, "posted", posted)
+            obs.event(req, "posted", posted)
+            obs.on_state(req, KVPoll.Transferring)
+            obs.event(req, "received", "done")
+            req.state, req.ended, req.nbytes, req.segments, req.transfers = (
+                KVPoll.Success, req.started + 0.001, 8192, 32, 2)
+            req.wire_from = req.started
+            obs.on_finished(req)
+    return (time.thread_time_ns() - t) / batch
 
 
 def _observer_cost(reps: int) -> dict[str, float]:
-    """The observer's CPU per request, both sides, over its calls with everything off."""
-    off = _hooks(reps, False, False)
-    return {"metrics_us": _hooks(reps, True, False) - off,
-            "traces_us": _hooks(reps, False, True) - off}
+    """CPU us the metrics and the traces each add per request, both sides.
+
+    Batches of all off, metrics only and traces only take turns, and each
+    figure is the median over rounds of (its batch - the off batch beside it),
+    so a load swing between rounds cancels.
+    """
+    from ..observe import Observer, metrics_available
+
+    def pair(metrics: bool, traces: bool) -> list:
+        return [Observer(role, "bench", metrics=metrics and metrics_available(),
+                         traces=1024 if traces else 0, levels=dict)
+                for role in ("prefill", "decode")]
+
+    kinds = {"off": pair(False, False), "metrics_us": pair(True, False),
+             "traces_us": pair(False, True)}
+    batch, diffs = 250, {"metrics_us": [], "traces_us": []}
+    for r in range(max(1, reps // batch)):
+        ns = {k: _hooks(sides, batch, r * batch) for k, sides in kinds.items()}
+        for k in diffs:
+            diffs[k].append(ns[k] - ns["off"])
+    return {k: _med(v) for k, v in diffs.items()}
 
 
 COLUMNS = {
