@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 from pdxfer.transport.errors import ClosedError, ProtocolError
-from pdxfer_testkit import build_pools, config, poll_or_none, until
+from pdxfer_testkit import BIG_KV_FIELDS, build_pools, config, poll_or_none, until
 
 from pdxfer import (
     ConfigError,
@@ -270,3 +270,18 @@ def test_quarantine_is_counted_with_how_long_it_lasted(monkeypatch) -> None:
         prefill.close()
     assert _value(decode, "pdxfer_quarantine_seconds_count") == 1
     assert np.isfinite(_value(decode, "pdxfer_quarantine_seconds_sum"))
+
+
+def test_a_layout_mismatch_counts_as_refused_on_both_sides() -> None:
+    cfg = config("loopback", metrics=True)
+    with PrefillEngine(build_pools(16, 4, seed=1, kv_fields=BIG_KV_FIELDS), cfg) as prefill, \
+            DecodeEngine(build_pools(16, 4), cfg) as decode:
+        decode.expect("lm", prefill.bootstrap_address, {"kv": [1], "state": [1]})
+        with pytest.raises(RequestFailed, match="layout mismatch"):
+            decode.wait("lm", WAIT)
+        assert _value(decode, "pdxfer_request_failures_total", reason="layout_refused",
+                      phase="Bootstrapping") == 1
+        assert _value(decode, "pdxfer_links_total", event="refused", kind="layout") == 1
+        until(lambda: _value(prefill, "pdxfer_links_total", event="refused", kind="layout") == 1,
+              "the prefill counted its refusal")
+        assert decode.trace("lm")[-1].event == "failed"
