@@ -15,8 +15,8 @@ places where the facts are born, so each is counted once:
 
 Everything that is a level rather than an event (requests in flight by
 state, links up, registered bytes, control backlog, the transport's bounce
-and scratch use) is read when Prometheus scrapes, by a collector asking the
-engine (`Observer.levels`): it costs the hot path nothing.
+and scratch use) is read when Prometheus scrapes, by a collector calling the engine's
+`levels` (`Engine._levels`): it costs the hot path nothing.
 
 Metrics use `prometheus_client` (the ecosystem's library, the optional
 `metrics` extra), one `CollectorRegistry` per engine, so several engines in
@@ -51,7 +51,7 @@ from pdxfer.transport.errors import (
 )
 
 from .config import KVPoll
-from .errors import ConfigError, LayoutError, LayoutMismatchError
+from .errors import ConfigError, LayoutError, LayoutMismatchError, RequestError
 
 __all__ = ["EVENTS_PER_REQUEST", "REASONS", "Observer", "TraceEvent", "failure_kind",
            "metrics_available", "serve_metrics"]
@@ -122,7 +122,7 @@ def failure_kind(role: str, reason: str | None, error: BaseException | None) -> 
         return "aborted_prefill"
     if text.startswith("aborted by decode"):
         return "aborted_decode"
-    if error is None or type(error).__name__ == "RequestError":
+    if error is None or type(error) is RequestError:
         # the other side's word: its abort, its timeout, its refusal of the id
         return "aborted_decode" if role == "prefill" else "aborted_prefill"
     return "other"
