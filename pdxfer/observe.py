@@ -28,8 +28,10 @@ Traces are always kept (unless `EngineConfig(traces=0)`): a running
 request's events on its record, bounded per request, and the timelines of
 the last `traces` finished requests in a ring, so memory does not grow with
 traffic. `Engine.trace(rid)` returns one; each event is also a structured
-DEBUG log line on the `pdxfer.trace` logger. OpenTelemetry spans are not
-emitted (not built: a log handler or `trace()` feeds an exporter).
+DEBUG log line on the `pdxfer.trace` logger. Once a launcher calls
+`enable_spans` (an OpenTelemetry tracer provider with an exporter), each
+finished request also becomes one span carrying its timeline as span events,
+built and exported on a thread of its own — never under an engine's lock.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -53,8 +56,8 @@ from pdxfer.transport.errors import (
 from .config import KVPoll
 from .errors import ConfigError, LayoutError, LayoutMismatchError, RequestError
 
-__all__ = ["EVENTS_PER_REQUEST", "REASONS", "Observer", "TraceEvent", "failure_kind",
-           "metrics_available", "serve_metrics"]
+__all__ = ["EVENTS_PER_REQUEST", "REASONS", "Observer", "TraceEvent", "disable_spans",
+           "enable_spans", "failure_kind", "metrics_available", "serve_metrics"]
 
 log = logging.getLogger("pdxfer.trace")
 
@@ -277,8 +280,7 @@ class Observer:
 
     def __init__(self, role: str, backend: str, *, metrics: bool | None, traces: int,
                  levels: Callable[[], dict]) -> None:
-        self.role = role
-        self._other = "decode" if role == "prefill" else "prefill"
+        self.role, self._backend = role, backend
         if metrics is None:
             metrics = metrics_available()
         elif metrics and not metrics_available():
@@ -322,6 +324,10 @@ class Observer:
         self.event(req, "success" if ok else "failed", "" if ok else (req.reason or ""), final=True)
         if req.trace is not None:
             self._ring.append((req.id, req.started, req.trace))
+        spans = _spans
+        if spans is not None:
+            spans.put((self.role, self._backend, req.id, req.started, req.ended, ok, req.reason,
+                       req.nbytes, req.segments, req.trace))
         m = self._m
         if m is None:
             return
@@ -443,3 +449,103 @@ class _Merged:
                 else:
                     have.samples.extend(family.samples)
         return iter(families.values())
+
+
+# -- OpenTelemetry (optional) -----------------------------------------------------------
+class _Spans:
+    """Finished requests as OpenTelemetry spans, built and ended on a daemon thread of its own.
+
+    The engines only append to a bounded deque (the oldest dropped, and
+    counted, if the exporter falls behind): a span processor that exports
+    synchronously may wait on the network, which must never happen under an
+    engine's lock or on its progress thread.
+    """
+
+    LIMIT = 8192
+
+    def __init__(self, tracer: Any) -> None:
+        self._tracer = tracer
+        self._queue: collections.deque = collections.deque(maxlen=self.LIMIT)
+        self._wake = threading.Event()
+        self._stop = False
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="pdxfer-spans", daemon=True)
+        self._thread.start()
+
+    def put(self, item: tuple) -> None:
+        if len(self._queue) == self.LIMIT:
+            self.dropped += 1
+        self._queue.append(item)
+        self._wake.set()
+
+    def close(self, timeout: float) -> None:
+        """Export what is queued, then end the thread (bounded by `timeout`)."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                try:
+                    self._emit(*self._queue.popleft())
+                except Exception:  # an exporter's bug must not end the thread
+                    log.exception("pdxfer: exporting a request span failed")
+            if self._stop:
+                return
+
+    def _emit(self, role: str, backend: str, rid: str, started: float, ended: float, ok: bool,
+              reason: str | None, nbytes: int, segments: int, trace: list | None) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        to_ns = time.time_ns() - time.monotonic_ns()  # monotonic -> the wall clock spans use
+        attrs = {"pdxfer.role": role, "pdxfer.backend": backend, "pdxfer.request_id": rid,
+                 "pdxfer.outcome": "success" if ok else "failed", "pdxfer.bytes": nbytes,
+                 "pdxfer.segments": segments}
+        if reason:
+            attrs["pdxfer.reason"] = reason
+        span = self._tracer.start_span(f"pdxfer.{role}.request", attributes=attrs,
+                                       start_time=int(started * 1e9) + to_ns)
+        for t, event, detail in list(trace or ()):
+            span.add_event(event, {"detail": _text(detail)}, timestamp=int(t * 1e9) + to_ns)
+        if not ok:
+            span.set_status(Status(StatusCode.ERROR, reason or "failed"))
+        span.end(end_time=int(ended * 1e9) + to_ns)
+
+
+_spans: _Spans | None = None
+_spans_lock = threading.Lock()
+
+
+def enable_spans(tracer_provider: Any = None) -> None:
+    """Export each finished request as an OpenTelemetry span, from every engine in this process.
+
+    For a launcher that has configured an exporter: `tracer_provider` (None:
+    OpenTelemetry's global one). One span per request and side,
+    `pdxfer.prefill.request` / `pdxfer.decode.request`, from its start to
+    its finish, with its trace's events (`Engine.trace`) as span events and
+    its outcome, reason and bytes as attributes. Needs `opentelemetry-api`;
+    `disable_spans` stops it.
+    """
+    global _spans
+    try:
+        from opentelemetry import trace as otel
+    except ImportError:
+        raise ConfigError("enable_spans needs OpenTelemetry: pip install opentelemetry-api "
+                          "(and an SDK with an exporter, e.g. opentelemetry-sdk)") from None
+    tracer = otel.get_tracer("pdxfer", tracer_provider=tracer_provider)
+    with _spans_lock:
+        old, _spans = _spans, _Spans(tracer)
+    if old is not None:
+        old.close(5.0)
+
+
+def disable_spans(timeout: float = 5.0) -> None:
+    """Stop exporting spans; what was queued is exported first (bounded by `timeout`)."""
+    global _spans
+    with _spans_lock:
+        old, _spans = _spans, None
+    if old is not None:
+        old.close(timeout)

@@ -285,3 +285,38 @@ def test_a_layout_mismatch_counts_as_refused_on_both_sides() -> None:
         until(lambda: _value(prefill, "pdxfer_links_total", event="refused", kind="layout") == 1,
               "the prefill counted its refusal")
         assert decode.trace("lm")[-1].event == "failed"
+
+
+def test_finished_requests_become_opentelemetry_spans_once_enabled() -> None:
+    sdk = pytest.importorskip("opentelemetry.sdk.trace")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))  # exports synchronously
+    cfg = config("loopback")
+    with PrefillEngine(build_pools(16, 4, seed=1), cfg) as prefill, \
+            DecodeEngine(build_pools(16, 4), cfg) as decode:
+        decode.expect("before", prefill.bootstrap_address, {"kv": [1], "state": [1]})
+        prefill.send("before", {"kv": [2], "state": [2]})
+        assert decode.wait("before", WAIT) is KVPoll.Success
+        observe.enable_spans(provider)
+        try:
+            decode.expect("o1", prefill.bootstrap_address, {"kv": [3], "state": [0]})
+            prefill.send("o1", {"kv": [4], "state": [0]})
+            assert decode.wait("o1", WAIT) is KVPoll.Success
+            until(lambda: len(exporter.get_finished_spans()) == 2, "both sides' spans")
+        finally:
+            observe.disable_spans()
+        spans = {s.name: s for s in exporter.get_finished_spans()}
+        assert set(spans) == {"pdxfer.prefill.request", "pdxfer.decode.request"}  # not "before"
+        span = spans["pdxfer.decode.request"]
+        assert span.attributes["pdxfer.request_id"] == "o1"
+        assert span.attributes["pdxfer.outcome"] == "success"
+        assert span.attributes["pdxfer.bytes"] == decode.stats("o1").nbytes
+        names = [e.name for e in span.events]
+        assert names == [e.event for e in decode.trace("o1")][:len(names)]
+        assert "landed" in names and "success" in names
+        stamps = [e.timestamp for e in span.events]
+        assert stamps == sorted(stamps) and span.start_time <= stamps[0] <= span.end_time
