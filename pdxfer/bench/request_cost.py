@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                "expect_us": _med(whole["expect"]), "expect_cpu_us": _med(whole["expect_cpu"]),
                "expect_check_us": _med(parts["check"]),
                "send_off_us": _med(off["send"]), "expect_off_us": _med(off["expect"]),
-               **_observer_cost(500 if args.tiny else 20000),
+               # 10 per request timed above, 500..20,000: a few seconds at full size
+               **_observer_cost(min(20_000, max(500, 10 * args.requests))),
                "bare_plan_us": bare["plan"], "bare_post_us": bare["post"]}
         report.row(row)
         report.sample(backend=backend, send_ns=whole["send"], expect_ns=whole["expect"])
