@@ -66,7 +66,9 @@ from .serving import (
     logger,
     options_from_args,
     parse_worker_args,
+    serve_metrics,
     serve_until_signalled,
+    stop_metrics,
 )
 
 # How often the wait loop looks at the engine while the prefill reply is not
@@ -110,10 +112,13 @@ class DecodeWorker:
                                    directory=self.directory)
         self.mover = BoundaryMover("decode", self.caches, self.engine, opts.resize_every,
                                    opts.resize_step)
+        self.metrics = None
         try:
+            self.metrics = serve_metrics(opts, self.engine)
             self.server = RpcServer(opts.host, opts.port, self.handle,
                                     functools.partial(self.log, error=True))
         except BaseException:
+            stop_metrics(self.metrics)
             self.engine.close()
             raise
 
@@ -182,8 +187,11 @@ class DecodeWorker:
 
     def ready_info(self) -> dict[str, Any]:
         host, port = self.server.address
-        return {"role": "decode", "rpc": f"{host}:{port}", "prefill": self.prefill_rpc or "",
+        info = {"role": "decode", "rpc": f"{host}:{port}", "prefill": self.prefill_rpc or "",
                 "pid": os.getpid()}
+        if self.metrics is not None:
+            info["metrics"] = self.metrics[1]
+        return info
 
     def handle(self, msg: Any) -> Any:
         if isinstance(msg, Hello):
@@ -322,6 +330,8 @@ class DecodeWorker:
         link is not closed under its feet.
         """
         self.server.close()
+        stop_metrics(self.metrics)
+        self.metrics = None
         self.engine.close()
         if self.directory is not None:
             self.directory.close()

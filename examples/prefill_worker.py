@@ -60,7 +60,9 @@ from .serving import (
     logger,
     options_from_args,
     parse_worker_args,
+    serve_metrics,
     serve_until_signalled,
+    stop_metrics,
 )
 
 
@@ -84,7 +86,9 @@ class PrefillWorker:
         self.directory = directory
         self.mover = BoundaryMover("prefill", self.caches, self.engine, opts.resize_every,
                                    opts.resize_step)
+        self.metrics = None
         try:
+            self.metrics = serve_metrics(opts, self.engine)
             self.server = RpcServer(opts.host, opts.port, self.handle,
                                     functools.partial(self.log, error=True))
             if directory is not None:
@@ -96,8 +100,11 @@ class PrefillWorker:
 
     def ready_info(self) -> dict[str, Any]:
         host, port = self.server.address
-        return {"role": "prefill", "rpc": f"{host}:{port}",
+        info = {"role": "prefill", "rpc": f"{host}:{port}",
                 "bootstrap": self.engine.bootstrap_address, "pid": os.getpid()}
+        if self.metrics is not None:
+            info["metrics"] = self.metrics[1]
+        return info
 
     def handle(self, msg: Any) -> Any:
         if isinstance(msg, Hello):
@@ -168,6 +175,8 @@ class PrefillWorker:
             self.directory.close()  # revokes the lease: routers see "down" at once
         if hasattr(self, "server"):
             self.server.close()
+        stop_metrics(self.metrics)
+        self.metrics = None
         self.engine.close()
 
 

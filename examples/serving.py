@@ -8,7 +8,8 @@ is only a way of filling it in.
 
 A worker tells whoever started it that it is serving by printing ONE line to
 stdout, `READY_PREFIX` followed by a JSON object (role, RPC address, pid and,
-for prefill, the pdxfer bootstrap address); everything else a worker says goes
+for prefill, the pdxfer bootstrap address; with `--metrics-port`, the
+`metrics` address Prometheus scrapes); everything else a worker says goes
 to stderr. Port 0 is the default everywhere, so the readiness line is how a
 launcher learns the ports the kernel picked.
 """
@@ -27,7 +28,7 @@ from typing import Any
 
 from pdxfer.transport.errors import TransferTimeout
 
-from pdxfer import EngineConfig, RequestError, RequestFailed, transport
+from pdxfer import EngineConfig, RequestError, RequestFailed, observe, transport
 from pdxfer.cliargs import bounded_int, check_ports_free, device_name, positive_float
 
 from .caches import PoolSizes
@@ -53,6 +54,8 @@ class WorkerOptions:
     # requests (0: kv and state are separate arenas), by this many slots.
     resize_every: int = 0
     resize_step: int = 4
+    # Serve the engine's Prometheus series on this port (0: a free one); None: not served.
+    metrics_port: int | None = None
 
     def engine_config(self) -> EngineConfig:
         # Only a chosen port is passed on: port 0 is every backend's default,
@@ -61,6 +64,8 @@ class WorkerOptions:
         return EngineConfig(
             transport=self.transport, host=self.host, port=self.bootstrap_port,
             timeout=self.timeout, transport_options=options,
+            # asked for: required (a clear error without prometheus_client); else as installed
+            metrics=True if self.metrics_port is not None else None,
         )
 
     @property
@@ -92,6 +97,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=positive_float, default=10.0,
                         help="seconds before a silent peer fails a request")
     parser.add_argument("--verbose", action="store_true", help="log each request to stderr")
+    parser.add_argument("--metrics-port", type=PORT, default=None,
+                        help="serve the engine's Prometheus series at http://HOST:PORT/metrics "
+                        "(0 picks a free port, named in the readiness line); needs "
+                        "prometheus_client (pip install 'pdxfer[metrics]'); default: not served")
     add_resize_args(parser)
     parser.add_argument("--die-with-parent", action="store_true",
                         help="exit when stdin closes (the launcher uses this so that no "
@@ -111,9 +120,12 @@ def parse_worker_args(parser: argparse.ArgumentParser, argv: list[str] | None) -
     """Parse a worker's command line, refusing a fixed port that is taken by its flag's name."""
     args = parser.parse_args(argv)
     check_transport(parser, args.transport)
+    if args.metrics_port is not None and not observe.metrics_available():
+        parser.error("--metrics-port needs prometheus_client, which is not installed here; "
+                     "pip install 'pdxfer[metrics]' (or drop --metrics-port)")
     check_ports_free(parser, args.host, {
         "--port": args.port, "--bootstrap-port": getattr(args, "bootstrap_port", 0),
-        "--data-port": args.data_port,
+        "--data-port": args.data_port, "--metrics-port": args.metrics_port or 0,
     })
     return args
 
@@ -148,8 +160,23 @@ def options_from_args(args: argparse.Namespace, device: str) -> WorkerOptions:
         sizes=PoolSizes(kv_pages=args.kv_pages, state_entries=args.state_entries),
         timeout=args.timeout, bootstrap_port=getattr(args, "bootstrap_port", 0),
         data_port=args.data_port, verbose=args.verbose, resize_every=args.resize_every,
-        resize_step=args.resize_step,
+        resize_step=args.resize_step, metrics_port=args.metrics_port,
     )
+
+
+def serve_metrics(opts: WorkerOptions, engine: Any) -> tuple[Any, str] | None:
+    """Serve `engine`'s series if `--metrics-port` asked for it: (server, "host:port"), else None."""
+    if opts.metrics_port is None:
+        return None
+    server, port = observe.serve_metrics(engine.metrics, opts.metrics_port, opts.host)
+    return server, f"{opts.host}:{port}"
+
+
+def stop_metrics(served: tuple[Any, str] | None) -> None:
+    """Stop what `serve_metrics` started (idempotent: None does nothing)."""
+    if served is not None:
+        served[0].shutdown()
+        served[0].server_close()
 
 
 def logger(role: str, verbose: bool) -> Callable[[str], None]:

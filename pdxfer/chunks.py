@@ -212,8 +212,11 @@ def plan_chunk(req: PrefillRequest, chunk: Chunk, pools: PoolSet) -> list[tuple[
 
 
 def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], last: bool,
-               conn: Connection, ready: dict | None = None) -> None:
-    """Post the chunk's transfers, each carrying its `Landed` notify; raises `TransportError`."""
+               conn: Connection, ready: dict | None = None, note: Any = None) -> None:
+    """Post the chunk's transfers, each carrying its `Landed` notify; raises `TransportError`.
+
+    `note(req, event, detail)`: told of each write posted (the request's trace).
+    """
     number = req.next_chunk
     req.next_chunk += 1
     if req.wire_from is None:
@@ -229,6 +232,9 @@ def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], l
         req.nbytes += nbytes
         req.segments += len(table)
         req.transfers += 1
+        if note is not None:
+            note(req, "posted", ("chunk={} part={}/{} bytes={} segments={}", number, i, total,
+                                 nbytes, len(table)))
 
 
 def note_wire_end(req: PrefillRequest) -> None:

@@ -91,6 +91,12 @@ class EngineConfig:
     logs one warning naming the cause, and its `config.transport` says so;
     its peers must use that transport too (the handshake refuses a
     mismatch by name). None (the default): the failure is raised.
+
+    `metrics`: Prometheus series in the engine's own registry
+    (`engine.metrics`, docs/metrics.md) — None (default) when
+    `prometheus_client` is installed, True to require it (`ConfigError`
+    without it), False for none. `traces`: how many finished requests'
+    timelines `engine.trace(rid)` keeps (a ring; 0: no traces at all).
     """
 
     transport: str = "tcp"
@@ -103,6 +109,8 @@ class EngineConfig:
     request_timeout: float | None = None  # None: timeout
     connect_timeout: float | None = None  # None: timeout
     fallback: str | None = None  # transport to use if registering the pools fails; None: raise
+    metrics: bool | None = None  # None: on when prometheus_client is installed
+    traces: int = 1024  # finished requests' timelines kept for trace(); 0: none
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -143,7 +151,7 @@ class EngineConfig:
         options = tuple(sorted((k, repr(v)) for k, v in self.transport_options.items()))
         return hash((self.transport, self.host, self.port, self.timeout, options,
                      self.heartbeat_interval, self.abort_grace, self.request_timeout,
-                     self.connect_timeout, self.fallback))
+                     self.connect_timeout, self.fallback, self.metrics, self.traces))
 
 
 def _validate(cfg: EngineConfig) -> None:
@@ -172,6 +180,12 @@ def _validate(cfg: EngineConfig) -> None:
                 f"EngineConfig.{name} must be a finite, positive number of seconds, got {value!r:.60}"
                 + ("; for 'no limit' pass a large number such as 1e6" if value == math.inf else "")
             )
+    if cfg.metrics is not None and not isinstance(cfg.metrics, bool):
+        raise ConfigError(f"EngineConfig.metrics must be True, False or None (on when "
+                          f"prometheus_client is installed), got {cfg.metrics!r:.60}")
+    if isinstance(cfg.traces, bool) or not isinstance(cfg.traces, int) or not 0 <= cfg.traces <= 1 << 24:
+        raise ConfigError(f"EngineConfig.traces must be an int 0..{1 << 24} (finished requests' "
+                          f"timelines kept; 0: none), got {cfg.traces!r:.60}")
     if not isinstance(cfg.transport_options, Mapping):
         raise ConfigError(f"EngineConfig.transport_options must be a mapping, got {cfg.transport_options!r}")
     if not cfg.transport_options:

@@ -115,7 +115,7 @@ class DecodeEngine(Engine):
             # after construction (the late-bytes tests' WordSeen) still sees every message
             on_message=lambda link, msg: self._on_message(link, msg),
             on_link_lost=lambda link, why: self._link_lost(link, why),
-            fail=self._fail_waiting, closed=lambda: self._closed)
+            fail=self._fail_waiting, closed=lambda: self._closed, on_link=self._observer.on_link)
         self._timing = Timing(self.config.request_wait, self.config.grace)
         self._transport.set_notify_handler(self._on_notify)
         self._can_fence = self._transport.capabilities.fence
@@ -156,6 +156,7 @@ class DecodeEngine(Engine):
             life = DecodeLife(rid, xid, msg, self._timing, self._progress.clock.now(), fence=self._can_fence)
             req = DecodeRequest(rid, life, dst, record)
             self._table.add(req)
+            self._observer.event(req, "expect", ("prefill={} xid={}", record.address, xid))
             self._holds.pop(rid, None)  # expected now: its Expect takes over the prefill's wait
             self._schedule(req)
         self._progress.call(self._start, req)
@@ -251,6 +252,7 @@ class DecodeEngine(Engine):
                     req.session.requests.discard(req.id)
             elif isinstance(eff, Send):
                 if req.session is not None and req.session.link is not None:
+                    self._observer.event(req, "sent", type(eff.msg).TYPE)
                     self._defer(req.session.link.send, eff.msg)
             elif isinstance(eff, Fence):
                 self._defer_batch(self._fence, req.session, req)
@@ -307,6 +309,12 @@ class DecodeEngine(Engine):
         for session in list(self._sessions.values()):
             if session.link is not None:
                 session.link.send(msg)
+
+    def _control_links(self) -> list[Any]:
+        return [s.link for s in list(self._sessions.values()) if s.link is not None]
+
+    def _links_up(self) -> int:
+        return sum(1 for s in list(self._sessions.values()) if s.ready)
 
     def quarantined(self) -> list[str]:
         """Ids of requests Quarantined now: failed, entries still not the caller's (no fence)."""
@@ -391,6 +399,8 @@ class DecodeEngine(Engine):
                     req.nbytes += msg.nbytes
                     req.segments += msg.segments
                     req.transfers += 1
+                    self._observer.event(req, "landed", ("chunk={} part={}/{} bytes={}", msg.chunk,
+                                                         msg.part, msg.parts, msg.nbytes))
                 self._apply(req, req.life.on_landed(msg.chunk, msg.part, msg.parts, msg.last, now))
 
     # -- control messages (progress thread) -----------------------------------------
@@ -403,6 +413,7 @@ class DecodeEngine(Engine):
                 self._on_welcome(session, msg)
             elif isinstance(msg, Refuse):
                 session.refusal = (msg.kind, msg.reason)
+                self._observer.on_link("refused", str(msg.kind)[:32])
                 log.warning("pdxfer decode: prefill at %s refused the handshake (%s): %s",
                             session.addr, msg.kind, msg.reason)
                 self._dials.doom(session)
@@ -420,6 +431,7 @@ class DecodeEngine(Engine):
             req = self._table.find(msg.request)
             if not isinstance(req, DecodeRequest) or req.life.xid != msg.xid or req.session is not session:
                 return
+            self._observer.event(req, "received", type(msg).TYPE)
             life = req.life
             self._apply(req, life.on_abort_ack(msg.clean, links) if isinstance(msg, AbortAck)
                         else life.on_peer_abort(msg.reason, msg.fence, links))
@@ -432,6 +444,7 @@ class DecodeEngine(Engine):
             return session.link.refuse(str(exc))
         if reason is not None:
             session.refusal = ("layout", reason)
+            self._observer.on_link("refused", "layout")
             log.warning("pdxfer decode: refused prefill at %s: %s", session.addr, reason)
             self._dials.doom(session)
             return session.link.close(f"layout mismatch with prefill at {session.addr}")
@@ -443,6 +456,7 @@ class DecodeEngine(Engine):
         session.waiting = keep
         session.engine = msg.engine
         session.ready = True
+        self._observer.on_link("opened")
         self._dials.reached(session.addr)
         session.link.label = f"prefill {msg.engine} at {session.addr}"
         now = self._progress.clock.now()
@@ -561,6 +575,7 @@ class DecodeEngine(Engine):
         if self._sessions.get(session.addr) is session:
             del self._sessions[session.addr]  # the next request dials afresh
         if session.ready:
+            self._observer.on_link("lost")
             self._dials.lost(session.addr)
         reason, error = why_lost(session.addr, session.refusal, reason, reached=session.ready)
         with self._transition():  # fences run as it ends, one drop_peer for the session

@@ -67,8 +67,10 @@ class Dials:
                  on_message: Callable[[ControlConn, Any], None],
                  on_link_lost: Callable[[ControlConn, str], None],
                  fail: Callable[[PrefillPeer, list[DecodeRequest], str, BaseException], None],
-                 closed: Callable[[], bool]) -> None:
+                 closed: Callable[[], bool],
+                 on_link: Callable[..., None] = lambda event, kind="": None) -> None:
         self._sessions = sessions
+        self._on_link = on_link  # told of each dial attempt: the metrics
         self._progress = progress
         self._lock = lock
         self.config = config
@@ -131,6 +133,7 @@ class Dials:
 
     def _dial_to(self, session: PrefillPeer, addrs: Addrs) -> None:
         family, sockaddr = addrs[session.attempts % len(addrs)]  # each retry, the next address
+        self._on_link("dialed")
         try:
             link = ControlConn.dial(family, sockaddr, self._progress, f"prefill at {session.addr}",
                              self._on_message,

@@ -43,6 +43,7 @@ from . import resizing
 from .clock import MONOTONIC, Clock
 from .config import EngineConfig, KVPoll, RequestStats
 from .errors import ClosedError, ConfigError, RequestError, RequestFailed, UnknownRequestError
+from .observe import Observer, TraceEvent
 from .pools import PoolSet
 from .progress import Progress
 from .protocol import Ping
@@ -81,10 +82,13 @@ class Engine:
                     raise
                 self._fall_back(exc)
                 self._pools = PoolSet(pools, self._transport)
-            self._table = RequestTable(self.role)
+            # self.config, not config: after a fallback it names the transport in use
+            self._observer = Observer(self.role, self.config.transport, metrics=config.metrics,
+                                      traces=config.traces, levels=self._levels)
+            self._table = RequestTable(self.role, self._observer)
             self._lock = self._table.lock
             self._progress = Progress(f"pdxfer-{self.role}-{self._transport.engine_id}", self._tick,
-                                      clock)
+                                      clock, on_lag=self._observer.on_lag)
         except BaseException:
             self._transport.close()
             raise
@@ -246,6 +250,62 @@ class Engine:
         with self._lock:
             requests = len(self._table)
         return {"requests": requests, **self._transport.usage()}
+
+    # -- what an operator reads (observe.py) ----------------------------------------
+    @property
+    def metrics(self) -> Any:
+        """This engine's `prometheus_client.CollectorRegistry` (None: metrics off).
+
+        Its own registry, so engines in one process never collide; serve it
+        with `pdxfer.observe.serve_metrics` or register it where your server's
+        registry collects. docs/metrics.md lists the series.
+        """
+        return self._observer.registry
+
+    def trace(self, request_id: str) -> tuple[TraceEvent, ...]:
+        """The request's timeline so far: `TraceEvent(t, event, detail)`s, t in seconds from its start.
+
+        Live requests, and the last `EngineConfig.traces` finished ones (a
+        ring: older ones are forgotten, `UnknownRequestError` then).
+        """
+        rid = check_request_id(request_id)
+        with self._lock:
+            events = self._observer.trace(self._table.find(rid), rid)
+        if events is None:
+            raise UnknownRequestError(
+                f"no trace of request {rid!r} on this {self.role} engine: never seen here, "
+                f"or older than the last {self.config.traces} finished (EngineConfig.traces)")
+        return events
+
+    def _levels(self) -> dict[str, Any]:
+        """What the engine holds now, for a scrape (any thread; never blocks on the network)."""
+        with self._lock:
+            states = self._table.counts()
+        links = [link for link in self._control_links() if not link.closed]
+        registered: dict[str, int] = {}
+        for region in self._pools.regions:
+            registered[region.device] = registered.get(region.device, 0) + region.length
+        return {"states": states, "links_up": self._links_up(),
+                "control_backlog_bytes": sum(link.backlog for link in links),
+                "control_links_stuck": sum(1 for link in links if link.stuck_since is not None),
+                "registered": registered, "usage": self._usage_now()}
+
+    def _usage_now(self) -> dict[str, int]:
+        """The transport's usage, or nothing once it is closed (a scrape may come after close)."""
+        if self._closed:
+            return {}
+        try:
+            return self._transport.usage()
+        except Exception:  # noqa: BLE001 — a scrape must not fail on a closing transport
+            return {}
+
+    def _control_links(self) -> list[Any]:
+        """The role's control links now (read off the progress thread: a copy)."""
+        return []
+
+    def _links_up(self) -> int:
+        """How many peers have a control link through its handshake now."""
+        return 0
 
     # -- elastic pools ------------------------------------------------------------
     def resize(self, pools: layout.ElasticPools, boundary: int, used: Any, *,

@@ -103,7 +103,7 @@ class PrefillEngine(Engine):
             # looked up per message: a hook installed on the engine after construction
             # (the fault tests wrap `_on_message`) still sees every message
             on_message=lambda link, msg: self._on_message(link, msg),
-            closed=lambda: self._closed)
+            closed=lambda: self._closed, on_link=self._observer.on_link)
         # `pdxfer probe`'s data-path check (`Echo`): a write of its own pattern, off the pools.
         self._echo = EchoServer(self._transport, self._progress, cfg.connect_wait,
                                 f"pdxfer-echo-{self.engine_id}")
@@ -155,10 +155,17 @@ class PrefillEngine(Engine):
                 chunk.parts = plan_chunk(req, chunk, self._pools)  # refusals raise here, before any change
             elif not checked:
                 self._check_sources(chunk)
+            self._observer.event(req, "send", ("last={}", chunk.last))
             self._apply(req, life.on_send(chunk, chunk.last, ready, now))
             req.sources.append(chunk.indices)  # in flight until the request finishes (resize)
             if session is not None and not ready:
                 self._peers.reopen(session)
+
+    def _control_links(self) -> list[Any]:
+        return list(self._links)
+
+    def _links_up(self) -> int:
+        return len(self._sessions)
 
     def peers(self) -> list[DecodePeer]:
         """The decode engines connected now, one `chunks.DecodePeer` each (benches, diagnostics).
@@ -215,6 +222,7 @@ class PrefillEngine(Engine):
                     msg = dataclasses.replace(msg, links=closed_links(req))
                 session = via or req.session
                 if session is not None:  # once the lock is released, on the progress thread
+                    self._observer.event(req, "sent", type(msg).TYPE)
                     self._defer(session.link.send, msg)
             elif isinstance(eff, Cut):
                 self._peers.cut(req.session, f"transfers to decode still running {self.config.grace} s "
@@ -229,7 +237,7 @@ class PrefillEngine(Engine):
         now = self._progress.clock.now()
         try:
             parts = chunk.parts if chunk.parts is not None else plan_chunk(req, chunk, self._pools)
-            post_parts(req, parts, chunk.last, session.conn, chunk.ready)
+            post_parts(req, parts, chunk.last, session.conn, chunk.ready, self._observer.event)
         except (RequestError, LayoutError, TransportError) as exc:
             where = "" if isinstance(exc, (RequestError, LayoutError)) else f"posting to decode {session.engine} failed: "
             self._apply(req, req.life.on_post_failed(f"{where}{exc}", exc, now, bool(unfinished(req.handles))))
@@ -274,6 +282,8 @@ class PrefillEngine(Engine):
                     KVPoll.Failed, msg.reason, None, RequestStats(0, 0, 0, 0.0)))
             ours = (session is not None and isinstance(req, PrefillRequest)
                     and req.life.xid == msg.xid and req.session is session)
+            if ours:
+                self._observer.event(req, "received", type(msg).TYPE)
             if isinstance(msg, Done):
                 if ours:
                     note_wire_end(req)
@@ -322,6 +332,7 @@ class PrefillEngine(Engine):
                 req = PrefillRequest(rid, PrefillLife(rid, self._timing, now, local=False))
                 self._table.add(req)
             life = req.life
+            self._observer.event(req, "expect", ("decode={} xid={}", session.engine, xid))
             if not life.expected and not life.finished:
                 req.session, req.peer, req.dst = session, session.engine, dst
                 req.cursor = dict.fromkeys(dst, 0)

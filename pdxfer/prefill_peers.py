@@ -52,8 +52,10 @@ class DecodePeers:
                  defer: Callable[..., None],
                  apply: Callable[..., None],
                  on_message: Callable[[ControlConn, Any], None],
-                 closed: Callable[[], bool]) -> None:
+                 closed: Callable[[], bool],
+                 on_link: Callable[..., None] = lambda event, kind="": None) -> None:
         self._sessions = sessions
+        self._on_link = on_link  # told "opened", "refused" (kind), "lost": the metrics
         self._links = links
         self._table = table
         self._pools = pools
@@ -125,6 +127,7 @@ class DecodePeers:
             session.conn, session.opening = conn, False
             if not session.welcomed:
                 session.welcomed = True
+                self._on_link("opened")
                 self._defer(session.link.send,
                             Welcome(self.engine_id, self._pools.descs, self._pools.fingerprints))
             now = self._progress.clock.now()
@@ -222,6 +225,7 @@ class DecodePeers:
         `Engine._watch`) and its owner becomes the `Refusal`.
         """
         log.warning("pdxfer prefill: refused %s (%s): %s", link.label, kind, reason)
+        self._on_link("refused", kind)
         session = link.owner
         if isinstance(session, DecodePeer) and self._sessions.get(session.engine) is session:
             del self._sessions[session.engine]  # never welcomed: nothing of it to cut
@@ -238,6 +242,7 @@ class DecodePeers:
         if not isinstance(session, DecodePeer):  # a stranger, or a refused decode
             return
         why = f"decode engine {session.engine} lost: {reason}"
+        self._on_link("lost")
         now = self._progress.clock.now()
         with self._transition():
             if self._sessions.get(session.engine) is session:

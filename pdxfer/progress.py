@@ -45,8 +45,11 @@ _MAX_SLEEP = 0.25
 class Progress:
     """A selector loop on its own thread, with a command queue and a tick."""
 
-    def __init__(self, name: str, tick: Callable[[float], float], clock: Clock = MONOTONIC) -> None:
+    def __init__(self, name: str, tick: Callable[[float], float], clock: Clock = MONOTONIC,
+                 on_lag: Callable[[float], None] | None = None) -> None:
         self._tick = tick
+        # Told how late each tick that came due by time ran (`observe`: progress-loop lag).
+        self._on_lag = on_lag
         # Every deadline of the engine this loop serves reads this clock (pdxfer.clock); a
         # jump of a test's ManualClock asks for a tick, so the jump is seen at the next turn.
         self.clock = clock
@@ -136,6 +139,8 @@ class Progress:
             self._guard(fn, *args)
         real = time.monotonic()
         if self._tick_asked or real >= self._next_tick:
+            if not self._tick_asked and self._on_lag is not None and self._next_tick:
+                self._on_lag(real - self._next_tick)
             self._tick_asked = False
             try:
                 self._next_tick = real + max(0.001, self._tick(self.clock.now()))

@@ -60,7 +60,7 @@ class Request:
     """What both sides track about one request. Mutated only under the table's lock."""
 
     __slots__ = ("ended", "error", "id", "life", "nbytes", "peer", "reason", "segments",
-                 "started", "state", "transfers", "wire_from", "wire_to")
+                 "started", "state", "trace", "transfers", "wire_from", "wire_to")
 
     def __init__(self, request_id: str, life: Any) -> None:
         self.id = request_id
@@ -77,6 +77,8 @@ class Request:
         # The wire time's ends (`RequestStats.wire_s`), set by the drivers; None until then.
         self.wire_from: float | None = None
         self.wire_to: float | None = None
+        # Its timeline (`observe.Observer.event`): (monotonic time, event, detail); None: off.
+        self.trace: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -146,8 +148,11 @@ class Tombstones:
 class RequestTable:
     """Every live or finished-unreleased request of one engine, and the lock guarding them."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, observer: Any = None) -> None:
         self.role = role
+        # Told of every state change below (`observe.Observer`): metrics and traces are
+        # counted here, where the changes happen, and nowhere else.
+        self.observer = observer
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self._requests: dict[str, Request] = {}
@@ -185,18 +190,31 @@ class RequestTable:
                 "engine; ids must be unique per engine until release()"
             )
         self._requests[req.id] = req
+        if self.observer is not None:
+            self.observer.on_added(req)
+
+    def counts(self) -> dict[KVPoll, int]:
+        """How many records are in each state (lock held)."""
+        out: dict[KVPoll, int] = {}
+        for req in self._requests.values():
+            out[req.state] = out.get(req.state, 0) + 1
+        return out
 
     def advance(self, req: Request, state: KVPoll) -> None:
         """Move a running request forward (never back, never out of a final state)."""
         if not req.finished and state > req.state:
             req.state = state
             self.changed.notify_all()
+            if self.observer is not None and req.state is not KVPoll.Quarantined:
+                self.observer.on_state(req, state)
 
     def quarantine(self, req: Request, reason: str, error: BaseException | None) -> None:
         """Failed but not finished: its entries may still be written (no fence); shows why."""
         if not req.finished:
             req.state, req.reason, req.error = KVPoll.Quarantined, reason, error
             self.changed.notify_all()
+            if self.observer is not None:
+                self.observer.on_quarantined(req, reason)
 
     def finish(self, req: Request, ok: bool, reason: str | None = None,
                error: BaseException | None = None) -> bool:
@@ -208,6 +226,8 @@ class RequestTable:
         req.error = error
         req.ended = time.monotonic()
         self.changed.notify_all()
+        if self.observer is not None:
+            self.observer.on_finished(req)
         return True
 
     def bury(self, req: Request) -> None:

@@ -23,6 +23,15 @@ themselves, many times, and splits them:
   tables the engine posted on a bare transport pair — the floor the engine
   adds to.
 
+The observer's cost (#32: metrics and traces, `pdxfer/observe.py`): the
+totals above run with metrics on (when prometheus_client is installed) and
+traces on, the engine's default; `off` columns run a third pass with
+`EngineConfig(metrics=False, traces=0)`, and `metrics`/`traces` time,
+outside any engine, every observer call one request makes on both sides,
+with one of the two on (begun, its
+states, its events — a send, an expect, two writes, two notifies, the
+control messages — and its finish into the counters and histograms).
+
 A second table (`bench/rate.py`) sets the engine's requests/s and latency
 beside the bare transport's on the same tables (issue #13 goal 2).
 
@@ -63,9 +72,13 @@ def _med(values: list[float]) -> float:
 
 
 def _engine_pass(backend: str, reqs: list, batch: int, split: bool,
-                 entries: tuple[int, int] = ENTRIES) -> dict[str, list]:
-    """One run of all requests through a fresh engine pair: per-call times (ns)."""
-    cfg = EngineConfig(transport=backend, timeout=30.0)
+                 entries: tuple[int, int] = ENTRIES, observe: bool = True) -> dict[str, list]:
+    """One run of all requests through a fresh engine pair: per-call times (ns).
+
+    `observe` False: no metrics, no traces (the `off` columns).
+    """
+    cfg = (EngineConfig(transport=backend, timeout=30.0) if observe
+           else EngineConfig(transport=backend, timeout=30.0, metrics=False, traces=0))
     prefill = PrefillEngine(workload.pools("entry-major", *entries), cfg)
     decode = DecodeEngine(workload.pools("entry-major", *entries), cfg)
     out: dict[str, list] = {k: [] for k in ("send", "send_cpu", "plan", "post", "expect",
@@ -139,6 +152,62 @@ def _bare(backend: str, reqs: list, reps: int, entries: tuple[int, int] = ENTRIE
     return {"plan": _med(plans), "post": _med(posts)}
 
 
+def _hooks(sides: list, batch: int, start: int) -> float:
+    """CPU ns per request of every observer call one request makes on both `sides`.
+
+    The calling thread's CPU time (`thread_time`) over the batch: wall time on
+    a shared machine measures the other tenants.
+    """
+    from ..config import KVPoll
+    from ..requests import Request
+
+    class Life:  # the one field the observer reads of a lifecycle
+        seen = KVPoll.Transferring
+
+    posted = ("chunk={} part={}/{} bytes={} segments={}", 0, 0, 2, 4096, 16)
+    reqs = [[Request(f"h{start + i}", Life()) for _ in sides] for i in range(batch)]
+    t = time.thread_time_ns()
+    for pair in reqs:
+        for obs, req in zip(sides, pair, strict=True):
+            obs.on_added(req)
+            obs.event(req, "expect", ("decode={} xid={}", "peer", 1))
+            obs.event(req, "send", ("last={}", True))
+            obs.on_state(req, KVPoll.WaitingForInput)
+            obs.event(req, "posted", posted)
+            obs.event(req, "posted", posted)
+            obs.on_state(req, KVPoll.Transferring)
+            obs.event(req, "received", "done")
+            req.state, req.ended, req.nbytes, req.segments, req.transfers = (
+                KVPoll.Success, req.started + 0.001, 8192, 32, 2)
+            req.wire_from = req.started
+            obs.on_finished(req)
+    return (time.thread_time_ns() - t) / batch
+
+
+def _observer_cost(reps: int) -> dict[str, float]:
+    """CPU us the metrics and the traces each add per request, both sides.
+
+    Batches of all off, metrics only and traces only take turns, and each
+    figure is the median over rounds of (its batch - the off batch beside it),
+    so a load swing between rounds cancels.
+    """
+    from ..observe import Observer, metrics_available
+
+    def pair(metrics: bool, traces: bool) -> list:
+        return [Observer(role, "bench", metrics=metrics and metrics_available(),
+                         traces=1024 if traces else 0, levels=dict)
+                for role in ("prefill", "decode")]
+
+    kinds = {"off": pair(False, False), "metrics_us": pair(True, False),
+             "traces_us": pair(False, True)}
+    batch, diffs = 250, {"metrics_us": [], "traces_us": []}
+    for r in range(max(1, reps // batch)):
+        ns = {k: _hooks(sides, batch, r * batch) for k, sides in kinds.items()}
+        for k in diffs:
+            diffs[k].append(ns[k] - ns["off"])
+    return {k: _med(v) for k, v in diffs.items()}
+
+
 COLUMNS = {
     "backend": "transport backend of both engines",
     "send us": "median wall us of PrefillEngine.send() (16 scattered pages + 1 state entry)",
@@ -150,6 +219,11 @@ COLUMNS = {
     "expect cpu us": "... the calling thread's CPU time",
     "expect check us": "expects.expect_message (index checks, size bound) on the same "
                        "destinations, timed on its own (second pass)",
+    "send off us": "send us with EngineConfig(metrics=False, traces=0): no observer (third pass)",
+    "expect off us": "expect us, likewise",
+    "metrics us": "CPU the metrics add per request, both sides: the observer's calls of one "
+                  "request timed alone, metrics on less all off (0 without prometheus_client)",
+    "traces us": "... traces on less all off",
     "bare plan us": "plan_segments for both pools in a tight loop, no engine",
     "bare post us": "Connection.write of both tables on a bare transport pair, no engine",
 }
@@ -230,9 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     for backend in backends:
         whole: dict[str, list] = {}
         parts: dict[str, list] = {}
-        for _ in range(args.rounds):  # alternating, so load bursts hit both passes
-            for acc, split in ((whole, False), (parts, True)):
-                for k, v in _engine_pass(backend, reqs, args.batch, split, entries).items():
+        off: dict[str, list] = {}
+        for _ in range(args.rounds):  # alternating, so load bursts hit every pass
+            for acc, split, observe in ((whole, False, True), (parts, True, True),
+                                        (off, False, False)):
+                for k, v in _engine_pass(backend, reqs, args.batch, split, entries,
+                                         observe).items():
                     acc.setdefault(k, []).extend(v)
         bare = _bare(backend, reqs, args.requests, entries)
         own = [s - p - q for s, p, q in zip(parts["send"], parts["plan"], parts["post"], strict=True)]
@@ -242,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                "bookkeeping_us": _med(own),
                "expect_us": _med(whole["expect"]), "expect_cpu_us": _med(whole["expect_cpu"]),
                "expect_check_us": _med(parts["check"]),
+               "send_off_us": _med(off["send"]), "expect_off_us": _med(off["expect"]),
+               # 10 per request timed above, 500..20,000: a few seconds at full size
+               **_observer_cost(min(20_000, max(500, 10 * args.requests))),
                "bare_plan_us": bare["plan"], "bare_post_us": bare["post"]}
         report.row(row)
         report.sample(backend=backend, send_ns=whole["send"], expect_ns=whole["expect"])

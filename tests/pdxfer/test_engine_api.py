@@ -50,11 +50,12 @@ def test_public_api_is_pinned() -> None:
     for name in pdxfer.__all__:
         assert getattr(pdxfer, name) is not None
     shared = ("poll", "wait", "failure_reason", "failure_cause", "outcome", "abort", "stats",
-              "release", "resize", "close")
+              "release", "resize", "close", "trace")
     for method in ("send", *shared):
         assert callable(getattr(PrefillEngine, method))
     for method in ("expect", *shared):
         assert callable(getattr(DecodeEngine, method))
+    assert isinstance(PrefillEngine.metrics, property)  # the engine's own registry (#32)
 
 
 def test_every_exported_error_derives_from_the_one_root() -> None:
