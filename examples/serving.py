@@ -53,6 +53,9 @@ class WorkerOptions:
     # requests (0: kv and state are separate arenas), by this many slots.
     resize_every: int = 0
     resize_step: int = 4
+    # Stream the kv pages in this many groups of attention layers while the prefill computes
+    # (`PrefillEngine.send(layers=)`; kv pages layer-interleaved on both sides); 0: whole entries.
+    layer_groups: int = 0
 
     def engine_config(self) -> EngineConfig:
         # Only a chosen port is passed on: port 0 is every backend's default,
@@ -93,6 +96,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds before a silent peer fails a request")
     parser.add_argument("--verbose", action="store_true", help="log each request to stderr")
     add_resize_args(parser)
+    add_stream_args(parser)
     parser.add_argument("--die-with-parent", action="store_true",
                         help="exit when stdin closes (the launcher uses this so that no "
                         "worker outlives it, however it ends)")
@@ -107,10 +111,26 @@ def add_resize_args(parser: argparse.ArgumentParser) -> None:
                         metavar="SLOTS", help="slots the boundary moves by (with --resize-every)")
 
 
+def add_stream_args(parser: argparse.ArgumentParser) -> None:
+    """`--layer-groups`, the same words for the launcher and both workers."""
+    parser.add_argument("--layer-groups", type=bounded_int(0), default=0, metavar="N",
+                        help="stream each request's kv pages in N groups of attention layers "
+                        "while the prefill computes the rest (capped at the model's layers; "
+                        "kv pages layer-interleaved on both sides); 0: send whole entries")
+
+
+def check_stream_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse `--layer-groups` with `--resize-every`: an elastic kv pool is entry-major."""
+    if args.layer_groups and args.resize_every:
+        parser.error("--layer-groups needs layer-interleaved kv pages, and --resize-every "
+                     "keeps kv in an entry-major elastic allocation; use one of them")
+
+
 def parse_worker_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse a worker's command line, refusing a fixed port that is taken by its flag's name."""
     args = parser.parse_args(argv)
     check_transport(parser, args.transport)
+    check_stream_args(parser, args)
     check_ports_free(parser, args.host, {
         "--port": args.port, "--bootstrap-port": getattr(args, "bootstrap_port", 0),
         "--data-port": args.data_port,
@@ -148,7 +168,7 @@ def options_from_args(args: argparse.Namespace, device: str) -> WorkerOptions:
         sizes=PoolSizes(kv_pages=args.kv_pages, state_entries=args.state_entries),
         timeout=args.timeout, bootstrap_port=getattr(args, "bootstrap_port", 0),
         data_port=args.data_port, verbose=args.verbose, resize_every=args.resize_every,
-        resize_step=args.resize_step,
+        resize_step=args.resize_step, layer_groups=args.layer_groups,
     )
 
 
