@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from pdxfer import LayoutError, PdxferError, PrefillEngine
+from pdxfer.integrations.layer_stream import group_ends
 
 from .caches import (
     POOLS,
@@ -175,7 +176,7 @@ class PrefillWorker:
         groups = min(self.opts.layer_groups, n)
         if not groups:
             return None
-        ends = {round(n * (g + 1) / groups) for g in range(groups)}
+        ends = set(group_ends(n, groups))
         start = [0]
 
         def on_layer(layer: int) -> None:

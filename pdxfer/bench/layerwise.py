@@ -22,7 +22,9 @@ Compute is emulated at a stated cost, `--us-per-token-layer` microseconds
 per token per layer (default 1.0: a mid-sized model on one H100-class GPU
 runs its prefill at roughly 30k tokens/s over 32 layers), as a sleep: the
 prefill's host thread is idle while a GPU computes, which is when a
-streamed send runs. `total ms` is from the prefill's first layer to the
+streamed send runs. The GPU's timeline is its own: group g is computed at
+start + g's layers x cost, however late the host woke or long it spent in
+`send` (the host enqueues; it does not wait for the device). `total ms` is from the prefill's first layer to the
 decode holding every byte (`wait` returned Success), `exposed ms` from the
 end of the last layer to then; `added ms` = total - compute, what the
 transfer added to the forward pass (it counts a send that blocks the host,
@@ -47,6 +49,7 @@ from .. import layout
 from ..cliargs import bounded_float, bounded_int
 from ..config import EngineConfig
 from ..decode import DecodeEngine
+from ..integrations.layer_stream import group_ends
 from ..prefill import PrefillEngine
 from . import report as br
 
@@ -73,8 +76,8 @@ def modes(layers: int, tiny: bool) -> list[tuple[str, int]]:
 
 def bounds(layers: int, groups: int) -> list[tuple[int, int]]:
     """`groups` contiguous layer ranges covering `[0, layers)`, as even as integers allow."""
-    cuts = np.linspace(0, layers, groups + 1).round().astype(int).tolist()
-    return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+    ends = group_ends(layers, groups)
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def _one(prefill: PrefillEngine, decode: DecodeEngine, rid: str, src: np.ndarray, dst: np.ndarray,
@@ -86,12 +89,12 @@ def _one(prefill: PrefillEngine, decode: DecodeEngine, rid: str, src: np.ndarray
         t_last = t0
         prefill.send(rid, {"kv": src})
     elif groups == 1:
-        time.sleep(layer_s * layers)
+        _until(t0 + layer_s * layers)
         t_last = time.monotonic()
         prefill.send(rid, {"kv": src})
     else:
         for a, b in bounds(layers, groups):
-            time.sleep(layer_s * (b - a))  # the GPU computes layers a..b-1; the host waits
+            _until(t0 + layer_s * b)  # the GPU has computed layers a..b-1 by then
             t_last = time.monotonic()
             prefill.send(rid, {"kv": src}, layers=(a, b))
     decode.wait(rid, 120.0)
@@ -101,6 +104,14 @@ def _one(prefill: PrefillEngine, decode: DecodeEngine, rid: str, src: np.ndarray
     prefill.release(rid)
     decode.release(rid)
     return t_done - t0, t_done - t_last, segments
+
+
+def _until(deadline: float) -> None:
+    """Sleep until `deadline` on the monotonic clock: the emulated GPU computes on a timeline of
+    its own, which neither a late wake-up nor the time a send takes on the host shifts."""
+    left = deadline - time.monotonic()
+    if left > 0:
+        time.sleep(left)
 
 
 def _check(src_pool, dst_pool, src: np.ndarray, dst: np.ndarray, what: str) -> None:
