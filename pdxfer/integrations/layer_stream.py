@@ -44,13 +44,16 @@ class LayerStream:
     """The requests one forward pass prefills, sent layer group by layer group."""
 
     def __init__(self, send: Callable[..., None], layers: Mapping[str, int], depth: int,
-                 groups: int, on_failed: Callable[[str, BaseException], None]) -> None:
-        """`send`: `PrefillEngine.send`; `layers`: layer name -> its index on the pools' layer
-        axis (0..depth-1); `on_failed(rid, exc)`: a request the engine refused."""
+                 groups: int, on_failed: Callable[[str, BaseException], None], *,
+                 stride: int = 1) -> None:
+        """`send`: `PrefillEngine.send`; `layers`: layer name -> its model layer index
+        (0..depth-1); `on_failed(rid, exc)`: a request the engine refused; `stride`: entries
+        of the pools' layer axis per model layer (2 where a pool keeps a layer's K and V as two
+        tensors of one field, vLLM's `group_pools` with equal K and V shapes)."""
         bad = {n: i for n, i in layers.items() if not 0 <= i < depth}
         if bad:
             raise RequestError(f"layer positions {bad} are outside the pools' {depth} layers")
-        self._send, self._layers, self.depth = send, dict(layers), depth
+        self._send, self._layers, self.depth, self._stride = send, dict(layers), depth, stride
         self.ends = set(group_ends(depth, groups))
         self._on_failed = on_failed
         self._open: dict[str, list[Any]] = {}  # rid -> [indices, next layer, last]
@@ -85,7 +88,8 @@ class LayerStream:
     def _range(self, rid: str, state: list, end: int, ready: Any) -> None:
         indices, lo, last = state
         try:
-            self._send(rid, indices, layers=(lo, end), last=last, ready=ready)
+            k = self._stride
+            self._send(rid, indices, layers=(lo * k, end * k), last=last, ready=ready)
             state[1] = end
         except PdxferError as exc:
             log.error("pdxfer: streaming layers [%d, %d) of %s failed: %s", lo, end, rid, exc)

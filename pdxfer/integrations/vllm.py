@@ -692,9 +692,17 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             self.prefill = PrefillEngine(pools, self.config)
             if self._layer_groups:
                 names = groups[0]
+                # A layer's block views are one or two tensors of each field (K and V of equal
+                # shapes share one): the pool's layer axis holds `stride` entries per layer.
+                axis = max(f.layers for f in pools["g0"].fields)
+                stride = axis // len(names)
+                if stride * len(names) != axis:
+                    raise ConfigError(f"pdxfer_layer_groups: the cache group's {len(names)} layers "
+                                      f"make {axis} tensors per field, not a whole number per "
+                                      "layer; set pdxfer_layer_groups to 0 for this model")
                 self._stream = LayerStream(self.prefill.send, {n: i for i, n in enumerate(names)},
                                            len(names), self._layer_groups,
-                                           lambda rid, exc: self._failed.add(rid))
+                                           lambda rid, exc: self._failed.add(rid), stride=stride)
         if self._consumer:
             self.decode = DecodeEngine(pools, self.config)
 
@@ -738,6 +746,9 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         """Streaming (`pdxfer_layer_groups`): send the layer group this layer closes; else nothing
         (finished requests are pushed whole from start_load_kv)."""
         if self._stream is not None:
+            # vLLM binds the step's metadata before the forward but calls start_load_kv after
+            # it (async loads): the streams of the step begin at its first layer.
+            self._start_streams(self._get_connector_metadata())
             self._stream.layer_done(layer_name)
 
     def wait_for_save(self) -> None:
@@ -770,6 +781,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._streamed: set[str] = set()  # scheduler: streamed by the workers, not pushed again
         self._to_abort: list[str] = []  # scheduler: streamed requests the workers must abort
         self._stream: LayerStream | None = None  # worker
+        self._streams_of: Any = None  # worker: the step metadata whose streams began
 
     def _stream_candidate(self, request: Any, blocks: Any) -> None:
         """Scheduler, at allocation: a prefill request that may stream in this step."""
@@ -810,7 +822,11 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
                       "transfer_mode": "push"}
 
     def _start_streams(self, meta: Any) -> None:
-        """Worker, before the forward: begin this step's streams; abort the ones given up."""
+        """Worker, at the step's first layer (or its start_load_kv): begin this step's streams
+        and abort the ones given up; once per step's metadata."""
+        if meta is self._streams_of:
+            return
+        self._streams_of = meta
         for rid in getattr(meta, "abort", ()):
             self._sending.add(rid)
             if self.prefill is not None:
