@@ -37,6 +37,7 @@ from pdxfer.layout import (
     EntryField,
     EntryMajorArena,
     IndexMap,
+    LayerInterleavedArena,
     LayerMajorArena,
     SplitEntryMajorArena,
     plan_segments,
@@ -213,15 +214,20 @@ class ModelCaches:
     `elastic=True` carves `kv` and `state` out of one `layout.ElasticPools`
     (`kv_pages + state_entries` slots, the boundary after the pages) whose
     boundary a worker moves (`examples.elastic`); `aux` stays on its own.
+    `interleaved=True` orders each kv page layer first (`LayerInterleavedArena`:
+    `[layer 0: k v][layer 1: k v]`), so a prefill streaming layer groups
+    (`--layer-groups`) ships one range per page per group; the model reads it
+    through the same views, so its arithmetic is the same.
     """
 
     def __init__(self, cfg: ModelConfig, sizes: PoolSizes, device: torch.device,
-                 elastic: bool = False) -> None:
+                 elastic: bool = False, interleaved: bool = False) -> None:
         fields = pool_fields(cfg)
         counts = sizes.entries()
         self.cfg = cfg
+        kinds = {"kv": LayerInterleavedArena} if interleaved else {}
         self.pools: dict[str, EntryMajorArena | SplitEntryMajorArena] = {
-            name: EntryMajorArena(fields[name], counts[name], device)
+            name: kinds.get(name, EntryMajorArena)(fields[name], counts[name], device)
             for name in POOLS if not elastic or name not in SHARED
         }
         self.allocators: dict[str, EntryAllocator | PoolSide] = {

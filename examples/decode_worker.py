@@ -98,7 +98,8 @@ class DecodeWorker:
         self.model = HybridModel(cfg or ModelConfig(), opts.device)
         self.directory = open_directory(model_name(self.model)) if open_directory else None
         self.caches = ModelCaches(self.model.cfg, opts.sizes, self.model.device,
-                                  elastic=bool(opts.resize_every))
+                                  elastic=bool(opts.resize_every),
+                                  interleaved=bool(opts.layer_groups))
         self._lock = threading.Lock()
         self._link: RpcClient | None = None
         self.bootstrap: str | PeerRecord | None = None

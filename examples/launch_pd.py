@@ -65,6 +65,8 @@ from .rpc import (
 from .serving import (
     WorkerOptions,
     add_resize_args,
+    add_stream_args,
+    check_stream_args,
     check_transport,
     cross_process,
     installed_transports,
@@ -103,8 +105,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="SIGKILL the prefill worker right after submitting request N")
     parser.add_argument("--verbose", action="store_true", help="workers log each request")
     add_resize_args(parser)
+    add_stream_args(parser)
     args = parser.parse_args(argv)
     check_transport(parser, args.transport)
+    check_stream_args(parser, args)
     why = check_context(ModelConfig(), args.prompt_len, args.gen_len)
     if why is not None:
         parser.error(f"--prompt-len {args.prompt_len} --gen-len {args.gen_len}: {why}")
@@ -124,7 +128,8 @@ def start_workers(args: argparse.Namespace, device: str, sizes: PoolSizes,
         common = ["--transport", args.transport, "--device", device,
                   "--kv-pages", str(sizes.kv_pages), "--state-entries", str(sizes.state_entries),
                   "--timeout", str(args.timeout), "--resize-every", str(args.resize_every),
-                  "--resize-step", str(args.resize_step)] + (["--verbose"] if args.verbose else [])
+                  "--resize-step", str(args.resize_step), "--layer-groups", str(args.layer_groups)
+                  ] + (["--verbose"] if args.verbose else [])
         prefill = spawn_worker("prefill", common, _STARTUP_TIMEOUT_S)
         handles.append(prefill)
         decode = spawn_worker("decode", [*common, "--prefill", prefill.info["rpc"]],
@@ -136,7 +141,8 @@ def start_workers(args: argparse.Namespace, device: str, sizes: PoolSizes,
 
     opts = WorkerOptions(transport=args.transport, device=device, sizes=sizes,
                          timeout=args.timeout, verbose=args.verbose,
-                         resize_every=args.resize_every, resize_step=args.resize_step)
+                         resize_every=args.resize_every, resize_step=args.resize_step,
+                         layer_groups=args.layer_groups)
     prefill = start_in_process(PrefillWorker(opts))
     handles.append(prefill)
     decode = start_in_process(DecodeWorker(opts, prefill.info["rpc"]))
@@ -289,6 +295,11 @@ def run(args: argparse.Namespace) -> int:
     sizes = PoolSizes(kv_pages=max(4 * need["kv"], 16) + step, state_entries=4)
     elastic = (f", boundary moved every {args.resize_every} requests by {step} slots"
                if args.resize_every else "")
+    if args.layer_groups:
+        groups = min(args.layer_groups, cfg.attn_layers)
+        elastic += (f", kv streamed in {groups} layer group(s) while the prefill computes"
+                    + (f" (the model has {cfg.attn_layers} attention layers)"
+                       if groups < args.layer_groups else ""))
     print(f"pdxfer PD example: {args.requests} requests, prompt {args.prompt_len} tokens, "
           f"{args.gen_len} generated, transport {args.transport}, device {device}{elastic}",
           flush=True)

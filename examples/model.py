@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .caches import ModelCaches
 
 
@@ -152,13 +154,17 @@ class HybridModel:
     @torch.no_grad()
     def prefill(
         self, caches: ModelCaches, prompt: list[int], pages: np.ndarray,
-        state_entry: int, aux_entry: int,
+        state_entry: int, aux_entry: int, on_layer: Callable[[int], None] | None = None,
     ) -> int:
         """Run the prompt, leaving its K/V in `pages`, its recurrent and
-        compressor state in `state_entry` and its first token in `aux_entry`."""
+        compressor state in `state_entry` and its first token in `aux_entry`.
+
+        `on_layer(l)`: called once attention layer `l`'s K/V pages are final
+        (a prefill streaming layer groups sends them from there)."""
         caches.reset_state(state_entry)
         tokens = torch.as_tensor(prompt, dtype=torch.int64, device=self.device)
-        token = self._forward(caches, tokens, start=0, pages=pages, entry=state_entry)
+        token = self._forward(caches, tokens, start=0, pages=pages, entry=state_entry,
+                              on_layer=on_layer)
         caches.pools["aux"].view("first_token")[0, aux_entry, 0] = token
         return token
 
@@ -183,13 +189,17 @@ class HybridModel:
     # -- layers ---------------------------------------------------------------
     def _forward(
         self, caches: ModelCaches, tokens: torch.Tensor, start: int,
-        pages: np.ndarray, entry: int,
+        pages: np.ndarray, entry: int, on_layer: Callable[[int], None] | None = None,
     ) -> int:
         page_ids = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
         x = self.p["embed"][tokens]
         x = x + self._attention(caches, 0, _rms(x), start, page_ids)
+        if on_layer is not None:
+            on_layer(0)
         x = x + self._recurrent(caches, _rms(x), entry)
         x = x + self._attention(caches, 1, _rms(x), start, page_ids)
+        if on_layer is not None:
+            on_layer(1)
         x = x + self._compressor(caches, _rms(x), start, entry)
         logits = _rms(x[-1:]) @ self.p["lm_head"]
         return int(torch.argmax(logits[0]))

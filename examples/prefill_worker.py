@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from pdxfer import LayoutError, PdxferError, PrefillEngine
+from pdxfer.integrations.layer_stream import group_ends
 
 from .caches import (
     POOLS,
@@ -79,7 +80,8 @@ class PrefillWorker:
         self.log = logger("prefill", opts.verbose)
         self.model = HybridModel(cfg or ModelConfig(), opts.device)
         self.caches = ModelCaches(self.model.cfg, opts.sizes, self.model.device,
-                                  elastic=bool(opts.resize_every))
+                                  elastic=bool(opts.resize_every),
+                                  interleaved=bool(opts.layer_groups))
         self.baseline = LayerMajorBaseline(self.caches)
         self._lock = threading.Lock()
         self.engine = PrefillEngine(pools=self.caches.pools, config=opts.engine_config())
@@ -140,14 +142,18 @@ class PrefillWorker:
                 return Failed(rid, f"prefill refused request {rid!r}: {exc}")
             with self._lock:
                 self.model.prefill(self.caches, prompt, src["kv"],
-                                   int(src["state"][0]), int(src["aux"][0]))
+                                   int(src["state"][0]), int(src["aux"][0]),
+                                   on_layer=self._streamer(rid, src))
                 # Written, not yet sent: a boundary move now relocates live entries,
                 # and the transfer ships them from where they moved to.
                 src, resizes = self.mover.maybe(rid, src)
             if resizes:  # the sources moved: count the layer-major baseline for where they are
                 layer_major = self.baseline.segments(src, dst, dst_entries)
             try:
-                self.engine.send(rid, src)
+                if self.opts.layer_groups:  # the kv pages went out by layer groups already
+                    self.engine.send(rid, {p: v for p, v in src.items() if p != "kv"})
+                else:
+                    self.engine.send(rid, src)
                 self.engine.wait(rid, timeout=self.opts.rpc_timeout)
                 stats = self.engine.stats(rid)
                 self.engine.release(rid)
@@ -165,6 +171,27 @@ class PrefillWorker:
         self.log(f"{rid}: {len(prompt)} tokens, {stats.nbytes} B in {stats.segments} segments")
         figures = TransferFigures(stats.nbytes, stats.segments, layer_major, stats.elapsed_s)
         return PrefillDone(request_id=rid, transfer=figures_to_wire(figures), resizes=resizes)
+
+    def _streamer(self, rid: str, src: dict) -> Any:
+        """`on_layer` for `HybridModel.prefill`: send each group of attention layers once
+        computed (`--layer-groups`), or None (whole entries after the forward pass).
+
+        The groups split the model's attention layers as evenly as integers allow; the
+        state and first token are final only after the last layer, so they follow whole.
+        """
+        n = self.model.cfg.attn_layers
+        groups = min(self.opts.layer_groups, n)
+        if not groups:
+            return None
+        ends = set(group_ends(n, groups))
+        start = [0]
+
+        def on_layer(layer: int) -> None:
+            if layer + 1 in ends:
+                self.engine.send(rid, {"kv": src["kv"]}, layers=(start[0], layer + 1), last=False)
+                start[0] = layer + 1
+
+        return on_layer
 
     def serve_forever(self) -> None:
         self.server.serve_forever()

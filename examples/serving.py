@@ -56,6 +56,9 @@ class WorkerOptions:
     resize_step: int = 4
     # Serve the engine's Prometheus series on this port (0: a free one); None: not served.
     metrics_port: int | None = None
+    # Stream the kv pages in this many groups of attention layers while the prefill computes
+    # (`PrefillEngine.send(layers=)`; kv pages layer-interleaved on both sides); 0: whole entries.
+    layer_groups: int = 0
 
     def engine_config(self) -> EngineConfig:
         # Only a chosen port is passed on: port 0 is every backend's default,
@@ -102,6 +105,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         "(0 picks a free port, named in the readiness line); needs "
                         "prometheus_client (pip install 'pdxfer[metrics]'); default: not served")
     add_resize_args(parser)
+    add_stream_args(parser)
     parser.add_argument("--die-with-parent", action="store_true",
                         help="exit when stdin closes (the launcher uses this so that no "
                         "worker outlives it, however it ends)")
@@ -116,6 +120,21 @@ def add_resize_args(parser: argparse.ArgumentParser) -> None:
                         metavar="SLOTS", help="slots the boundary moves by (with --resize-every)")
 
 
+def add_stream_args(parser: argparse.ArgumentParser) -> None:
+    """`--layer-groups`, the same words for the launcher and both workers."""
+    parser.add_argument("--layer-groups", type=bounded_int(0), default=0, metavar="N",
+                        help="stream each request's kv pages in N groups of attention layers "
+                        "while the prefill computes the rest (capped at the model's layers; "
+                        "kv pages layer-interleaved on both sides); 0: send whole entries")
+
+
+def check_stream_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse `--layer-groups` with `--resize-every`: an elastic kv pool is entry-major."""
+    if args.layer_groups and args.resize_every:
+        parser.error("--layer-groups needs layer-interleaved kv pages, and --resize-every "
+                     "keeps kv in an entry-major elastic allocation; use one of them")
+
+
 def parse_worker_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse a worker's command line, refusing a fixed port that is taken by its flag's name."""
     args = parser.parse_args(argv)
@@ -123,6 +142,7 @@ def parse_worker_args(parser: argparse.ArgumentParser, argv: list[str] | None) -
     if args.metrics_port is not None and not observe.metrics_available():
         parser.error("--metrics-port needs prometheus_client, which is not installed here; "
                      "pip install 'pdxfer[metrics]' (or drop --metrics-port)")
+    check_stream_args(parser, args)
     check_ports_free(parser, args.host, {
         "--port": args.port, "--bootstrap-port": getattr(args, "bootstrap_port", 0),
         "--data-port": args.data_port, "--metrics-port": args.metrics_port or 0,
@@ -161,6 +181,7 @@ def options_from_args(args: argparse.Namespace, device: str) -> WorkerOptions:
         timeout=args.timeout, bootstrap_port=getattr(args, "bootstrap_port", 0),
         data_port=args.data_port, verbose=args.verbose, resize_every=args.resize_every,
         resize_step=args.resize_step, metrics_port=args.metrics_port,
+        layer_groups=args.layer_groups,
     )
 
 

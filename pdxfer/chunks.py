@@ -7,6 +7,14 @@ checked whole before anything is posted — so a refusal leaves the request
 as it was — planned pool by pool through the routes built at handshake time,
 and posted one transfer per pool, each with its `Landed` notify.
 
+Streamed sends (`send(layers=(a, b))`, #33) live here too: the layer ranges of
+one set of entries form a *span* — they name the same entries, run in order
+from layer 0 to the pools' depth, and agree on `last` and `checkpoint` — and
+the destination cursors move only once a span's last layer is sent, so every
+range of it lands in the same destinations. `span_of` checks a range against
+the span in progress before anything changes; each chunk's notify names its
+span and layers, which is what the decode's proof is kept over.
+
 Also here: the records the prefill keeps (`PrefillRequest`, `DecodePeer`),
 since those are what this arithmetic reads and writes; what a request may do
 next is its `lifecycle.PrefillLife`'s business, not theirs.
@@ -35,23 +43,125 @@ _EMPTY = np.empty((0, 3), dtype=np.int64)
 
 
 class Chunk:
-    """One `send()`: source indices per pool, whether it is the last, whether a checkpoint."""
+    """One `send()`: source indices per pool, whether it is the last, whether a checkpoint.
 
-    __slots__ = ("checkpoint", "indices", "last", "parts", "ready")
+    `layers`: the layer range `(a, b)` it carries of its entries, None for
+    every layer; `span` and `completes` are set by `span_of` (`last` then
+    means the request's last chunk: the last range of its last entries).
+    """
+
+    __slots__ = ("checkpoint", "completes", "indices", "last", "layers", "parts", "ready", "span")
 
     def __init__(self, indices: dict[str, np.ndarray], last: bool, checkpoint: bool,
-                 ready: dict | None = None) -> None:
+                 ready: dict | None = None, layers: tuple[int, int] | None = None) -> None:
         self.indices, self.last, self.checkpoint = indices, last, checkpoint
+        self.layers = layers
+        self.span = 0
+        self.completes = True  # its entries' last layer is in it: the cursors move past them
         self.parts: list | None = None  # planned at send() when it posts at once
         # CUDA region -> the event its bytes wait for, captured on the caller's
         # thread at send() (`PoolSet.readiness`): posting may happen later, elsewhere.
         self.ready = ready or {}
 
 
+class Stream:
+    """The span in progress: its entries, the next layer due, and what every range must repeat."""
+
+    __slots__ = ("checkpoint", "indices", "last", "next")
+
+    def __init__(self, indices: dict[str, np.ndarray], nxt: int, last: bool, checkpoint: bool) -> None:
+        self.indices, self.next, self.last, self.checkpoint = indices, nxt, last, checkpoint
+
+
+def check_layer_range(rid: str, layers: Any, depth: int) -> tuple[int, int] | None:
+    """`send()`'s `layers` as `(a, b)`, None for every layer, or the refusal naming it.
+
+    `depth` is the pools' deepest field (`PoolSet.depth`); `(0, depth)` is
+    every layer, the same as None.
+    """
+    if layers is None:
+        return None
+    try:
+        a, b = layers
+        ok = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in (a, b))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or not 0 <= a < b <= depth:
+        raise RequestError(
+            f"send({rid!r}): layers must be a pair (a, b) of ints with 0 <= a < b <= {depth} "
+            f"(the deepest field of this engine's pools), got {layers!r:.80}; nothing was sent"
+        )
+    return None if (a, b) == (0, depth) else (int(a), int(b))
+
+
+def _same_entries(x: dict[str, np.ndarray], y: dict[str, np.ndarray]) -> bool:
+    return x.keys() == y.keys() and all(np.array_equal(x[p], y[p]) for p in x)
+
+
+def span_of(rid: str, stream: Stream | None, spans: int, chunk: Chunk, depth: int) -> None:
+    """Place `chunk` in its request's spans (sets `span`, `completes`, `last`), or refuse it.
+
+    Pure with respect to the request: a `RequestError` here leaves it as it
+    was; `commit_span` records the chunk once it was accepted.
+    """
+    if chunk.layers is None:
+        if stream is not None:
+            raise RequestError(
+                f"send({rid!r}): layers [0, {stream.next}) of its streamed entries are sent and "
+                f"layers [{stream.next}, {depth}) are not; send layers ({stream.next}, b) of the "
+                "same entries up to the last layer before another chunk"
+            )
+        chunk.span, chunk.completes = spans, True
+        return
+    a, b = chunk.layers
+    if stream is None:
+        if a != 0:
+            raise RequestError(
+                f"send({rid!r}): layers ({a}, {b}) start a new set of entries, which streams "
+                f"from layer 0; send layers (0, {a}) of them first"
+            )
+    else:
+        if a != stream.next:
+            raise RequestError(
+                f"send({rid!r}): layers ({a}, {b}) do not continue its streamed entries: layers "
+                f"[0, {stream.next}) are sent; send layers ({stream.next}, b) next, in order"
+            )
+        if not _same_entries(stream.indices, chunk.indices):
+            raise RequestError(
+                f"send({rid!r}): layers ({a}, {b}) name other entries than the ranges before "
+                f"them; every layer range of a set of entries names the same pools and indices "
+                f"until layer {depth}"
+            )
+        if (stream.last, stream.checkpoint) != (chunk.last, chunk.checkpoint):
+            raise RequestError(
+                f"send({rid!r}): layers ({a}, {b}) say last={chunk.last}, "
+                f"checkpoint={chunk.checkpoint}, the ranges before them last={stream.last}, "
+                f"checkpoint={stream.checkpoint}; every range of a set of entries says the same"
+            )
+    chunk.span, chunk.completes = spans, b == depth
+    chunk.last = chunk.last and chunk.completes
+
+
+def commit_span(req: PrefillRequest, chunk: Chunk, last: bool) -> None:
+    """An accepted chunk moves its request's span: opens, continues or closes the stream.
+
+    `last`: what the caller said (a range before its entries' last layer is not the request's
+    last chunk, but every range of the span must say the same).
+    """
+    if chunk.completes:
+        req.stream = None
+        req.spans += 1
+    elif req.stream is None:
+        req.stream = Stream(chunk.indices, chunk.layers[1], last, chunk.checkpoint)
+    else:
+        req.stream.next = chunk.layers[1]
+
+
 class PrefillRequest(Request):
     """A request as the prefill tracks it: the decode's destinations, cursors, posted handles."""
 
-    __slots__ = ("cursor", "dst", "handles", "links", "next_chunk", "session", "skip", "sources")
+    __slots__ = ("cursor", "dst", "handles", "links", "next_chunk", "session", "skip", "sources",
+                 "spans", "stream")
 
     def __init__(self, request_id: str, life: PrefillLife) -> None:
         super().__init__(request_id, life)
@@ -65,6 +175,8 @@ class PrefillRequest(Request):
         self.handles: list[Any] = []
         self.sources: list[dict[str, np.ndarray]] = []  # every accepted chunk's, until finished
         self.links: set[str] = set()  # incarnations of the data links its transfers were posted on
+        self.stream: Stream | None = None  # the span whose layers are being streamed (`span_of`)
+        self.spans = 0  # spans accepted whole: the next span's number
 
     def held(self, pool: str) -> list[np.ndarray]:
         """Our entries of `pool` this request's transfers may still read (`resizing.blocking`)."""
@@ -201,7 +313,9 @@ def plan_chunk(req: PrefillRequest, chunk: Chunk, pools: PoolSet) -> list[tuple[
     for pool, src, d in moves:
         if pools.narrowed[pool]:
             layout.check_indices(pools.arenas[pool], src, what=f"pool {pool!r} source index")
-        parts += session.routes[pool].plan(src, d, chunk.checkpoint)
+        parts += session.routes[pool].plan(src, d, chunk.checkpoint, chunk.layers)
+    if not chunk.completes:  # a layer range before its entries' last: the next range fills
+        return parts or [session.empty]  # the same destinations, so no cursor moves yet
     for pool, src, _ in moves:
         cursor[pool] += len(src)
     for pool, k in skipped.items():
@@ -212,11 +326,14 @@ def plan_chunk(req: PrefillRequest, chunk: Chunk, pools: PoolSet) -> list[tuple[
 
 
 def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], last: bool,
-               conn: Connection, ready: dict | None = None, note: Any = None) -> None:
+               conn: Connection, ready: dict | None = None, note: Any = None,
+               layers: tuple[int, int, int] = (0, 0, 0)) -> None:
     """Post the chunk's transfers, each carrying its `Landed` notify; raises `TransportError`.
 
     `note(req, event, detail)`: told of each write posted (the request's trace).
+    `layers`: `(span, lo, hi)` the notify names (`hi == 0`: every layer).
     """
+    span, lo, hi = layers
     number = req.next_chunk
     req.next_chunk += 1
     if req.wire_from is None:
@@ -226,7 +343,8 @@ def post_parts(req: PrefillRequest, parts: list[tuple[Any, dict, np.ndarray]], l
     for i, (region, remote, table) in enumerate(parts):
         proof = getattr(table, "proof", None)  # a CheckedTable knows its bytes
         nbytes = proof[2] if proof is not None else int(np.add.reduce(table[:, 2]))
-        notify = landed_payload(req.id, req.life.xid, number, i, total, last, nbytes, len(table))
+        notify = landed_payload(req.id, req.life.xid, number, i, total, last, nbytes, len(table),
+                                span, lo, hi)
         req.handles.append(conn.write(region, remote, table, notify,
                                       ready=ready.get(region) if ready else None))
         req.nbytes += nbytes

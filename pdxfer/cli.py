@@ -35,6 +35,8 @@ _COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
                          "CPU per send()/expect() call, split into plan/post/bookkeeping"),
         "tp": ("pdxfer.bench.tp", "heterogeneous TP: shard-major vs per-token/per-head slicing"),
         "chunked": ("pdxfer.bench.chunked", "chunked prefill: transfer hidden behind compute vs sending after"),
+        "layerwise": ("pdxfer.bench.layerwise",
+                      "streamed layer groups: transfer hidden behind the forward pass vs whole entries"),
         "scaling": ("pdxfer.bench.scaling", "GB/s and us per request against request size, entry- vs layer-major"),
         "elastic": ("pdxfer.bench.elastic", "moving a page/state pool boundary: relocation GB/s, entries moved"),
         "directory": ("pdxfer.bench.directory",

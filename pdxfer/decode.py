@@ -153,7 +153,8 @@ class DecodeEngine(Engine):
             self._check_open()
             if self._pools.generation != gen:  # a resize ran meanwhile: check its live ranges
                 dst, msg = expect_message(self._pools, rid, xid, indices, offsets)
-            life = DecodeLife(rid, xid, msg, self._timing, self._progress.clock.now(), fence=self._can_fence)
+            life = DecodeLife(rid, xid, msg, self._timing, self._progress.clock.now(),
+                              fence=self._can_fence, depth=self._pools.depth)
             req = DecodeRequest(rid, life, dst, record)
             self._table.add(req)
             self._observer.event(req, "expect", ("prefill={} xid={}", record.address, xid))
@@ -401,7 +402,8 @@ class DecodeEngine(Engine):
                     req.transfers += 1
                     self._observer.event(req, "landed", ("chunk={} part={}/{} bytes={}", msg.chunk,
                                                          msg.part, msg.parts, msg.nbytes))
-                self._apply(req, req.life.on_landed(msg.chunk, msg.part, msg.parts, msg.last, now))
+                self._apply(req, req.life.on_landed(msg.chunk, msg.part, msg.parts, msg.last, now,
+                                                    msg.span, msg.lo, msg.hi))
 
     # -- control messages (progress thread) -----------------------------------------
     def _on_message(self, link: ControlConn, msg: Any) -> None:

@@ -84,6 +84,9 @@ class PoolSet:
         self.narrowed = {name: int(d["live_entries"]) < int(d["entries"])
                          for name, d in self.descs.items()}
         self.generation = 0  # bumped by `replace`: routes re-read their arena before planning
+        # The layers a streamed span must cover (`send(layers=)`, #33): the deepest field of
+        # any pool. Pools match by name and format across a handshake, so both sides agree.
+        self.depth = max(max((f.layers for f in a.fields), default=1) for a in self.arenas.values())
         self.regions: list[LocalRegion] = []
         self.buffers: dict[str, list[tuple[int, int]]] = {}
         _refuse_aliases(self.arenas)
@@ -376,18 +379,31 @@ class Route:
             return None
         return region.length, theirs
 
-    def plan(self, src: np.ndarray, dst: np.ndarray,
-             checkpoint: bool) -> list[tuple[LocalRegion, dict, np.ndarray]]:
-        """`(local region, remote descriptor, table)` per transfer, empty tables dropped."""
+    def plan(self, src: np.ndarray, dst: np.ndarray, checkpoint: bool,
+             layers: tuple[int, int] | None = None) -> list[tuple[LocalRegion, dict, np.ndarray]]:
+        """`(local region, remote descriptor, table)` per transfer, empty tables dropped.
+
+        `layers=(a, b)`: only those layers of the entries (`send(layers=)`);
+        the pool's own layer axis, so a pool shallower than the engine's
+        deepest ships the layers it has in the range (nothing past them).
+        """
         if self.gen != self.pools.generation:
             self._refresh()
         if self.dst_first_live:
             self.check_destinations(dst)
+        if layers is not None:
+            layers = pool_layers(self.name, self.arena, layers)
+            if layers is None:
+                return []
+            if self.pair is not None:
+                raise RequestError(
+                    f"pool {self.name!r}: a layer range to a peer at another TP split is not "
+                    "planned (its rank pair ships whole entries); send whole entries to it")
         if self.pair is not None:
             tables = self.pair.plan(src, dst, dst_entries=self.dst_entries, checkpoint=checkpoint)
         else:
             tables = layout.plan_segments(self.arena, src, dst, checkpoint=checkpoint,
-                                          dst_entries=self.dst_entries)
+                                          dst_entries=self.dst_entries, layers=layers)
         if self.single is not None:
             region, remote, ls, rs = self.single
             table = tables[0]
@@ -417,6 +433,26 @@ class Route:
             if parts:
                 out.append((region, remote, parts[0] if len(parts) == 1 else np.concatenate(parts)))
         return out
+
+
+def pool_layers(name: str, arena: Any, layers: tuple[int, int]) -> tuple[int, int] | None:
+    """The part of an engine-wide layer range `(a, b)` pool `name` has, None if none of it.
+
+    A pool's layer `l` is its own fields' layer `l`; one shallower than the
+    engine's deepest pool ships its layers inside the range. An arena that
+    cannot ship a layer range (page-major pools declare each layer as a field)
+    is refused here, by `plan_segments`, before anything is planned.
+    """
+    depth = max((f.layers for f in arena.fields), default=1)
+    a, b = layers
+    if a >= depth:
+        return None
+    clipped = (a, min(b, depth))
+    try:
+        layout.plan_segments(arena, np.empty(0, np.int64), np.empty(0, np.int64), layers=clipped)
+    except LayoutError as exc:
+        raise LayoutError(f"pool {name!r} cannot ship layers {clipped}: {exc}") from exc
+    return clipped
 
 
 def peer_routes(pools: PoolSet, peer_pools: Any, peer_buffers: Any,

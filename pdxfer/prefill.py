@@ -32,11 +32,14 @@ from .chunks import (
     Chunk,
     DecodePeer,
     PrefillRequest,
+    check_layer_range,
     chunk_indices,
     closed_links,
+    commit_span,
     note_wire_end,
     plan_chunk,
     post_parts,
+    span_of,
     transfer_error,
     unfinished,
 )
@@ -47,6 +50,7 @@ from .engine import Engine
 from .errors import ClosedError, LayoutError, RequestError
 from .handshake import Refusal
 from .lifecycle import Cut, Finish, PrefillLife, Send, Timing
+from .pools import pool_layers
 from .prefill_peers import DecodePeers
 from .protocol import (
     Abort,
@@ -117,7 +121,8 @@ class PrefillEngine(Engine):
 
     # -- the public calls ---------------------------------------------------------
     def send(self, request_id: str, indices: Mapping[str, Any], *, last: bool = True,
-             checkpoint: bool = False, ready: Any = None) -> None:
+             checkpoint: bool = False, ready: Any = None,
+             layers: tuple[int, int] | None = None) -> None:
         """Ship `indices` (source entries per pool) of a request, or queue them until decode expects it.
 
         Raises `RequestError`/`LayoutError` for bad input before anything moves;
@@ -127,10 +132,23 @@ class PrefillEngine(Engine):
         `ready` (CUDA pools): the `torch.cuda.Event` or stream after which these
         entries are final; None records the caller's current stream now
         (`transport.streams` has the contract; host pools take None).
+
+        `layers=(a, b)` (streamed sends, #33): ship only layers `a..b-1` of
+        these entries — of each pool's own layers, `b <= ` the deepest field
+        of the engine's pools (`depth`) — while the caller computes the rest;
+        `ready` is then the event after those layers. The ranges of one set
+        of entries name the same indices, run in order from layer 0 to
+        `depth`, and say the same `last`/`checkpoint`; the entries count as
+        sent (the next chunk fills the destinations after them; `last=True`
+        finishes the request) with the range that reaches `depth`, and the
+        decode is Success only once every layer of every entry landed. A
+        range out of order, over other entries, or over a pool that cannot
+        ship layers (page-major) is refused by name before anything moves.
         """
         rid = check_request_id(request_id)
         chunk = Chunk(chunk_indices(self._pools, rid, indices), bool(last), bool(checkpoint),
-                      self._pools.readiness(ready))
+                      self._pools.readiness(ready),
+                      check_layer_range(rid, layers, self._pools.depth))
         now = self._progress.clock.now()
         with self._transition():
             self._check_open()
@@ -139,6 +157,7 @@ class PrefillEngine(Engine):
             if req is None:
                 tomb = self._table.tombstones.get(rid)
                 if tomb is None:  # checked before the record exists: refused leaves nothing
+                    span_of(rid, None, 0, chunk, self._pools.depth)
                     self._check_sources(chunk)
                     checked = True
                 req = PrefillRequest(rid, PrefillLife(rid, self._timing, now, local=True))
@@ -150,6 +169,7 @@ class PrefillEngine(Engine):
             life, session = req.life, req.session
             if not life.check_send(chunk.last):
                 return
+            span_of(rid, req.stream, req.spans, chunk, self._pools.depth)  # refusals change nothing
             ready = session is not None and session.ready
             if life.posts_now(ready):
                 chunk.parts = plan_chunk(req, chunk, self._pools)  # refusals raise here, before any change
@@ -157,6 +177,7 @@ class PrefillEngine(Engine):
                 self._check_sources(chunk)
             self._observer.event(req, "send", ("last={}", chunk.last))
             self._apply(req, life.on_send(chunk, chunk.last, ready, now))
+            commit_span(req, chunk, bool(last))
             req.sources.append(chunk.indices)  # in flight until the request finishes (resize)
             if session is not None and not ready:
                 self._peers.reopen(session)
@@ -188,9 +209,13 @@ class PrefillEngine(Engine):
         return self._table.release(check_request_id(request_id), keep=_never_expected)
 
     def _check_sources(self, chunk: Chunk) -> None:
-        """Refuse source indices outside their pools: what a queued chunk is checked by."""
+        """Refuse source indices outside their pools, and layer ranges a pool cannot ship:
+        what a queued chunk is checked by."""
         for pool, src in chunk.indices.items():
-            layout.check_indices(self._pools.arenas[pool], src, what=f"pool {pool!r} source index")
+            arena = self._pools.arenas[pool]
+            layout.check_indices(arena, src, what=f"pool {pool!r} source index")
+            if chunk.layers is not None:
+                pool_layers(pool, arena, chunk.layers)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Give up on a request; the decode hears of it at once. Non-blocking."""
@@ -237,7 +262,8 @@ class PrefillEngine(Engine):
         now = self._progress.clock.now()
         try:
             parts = chunk.parts if chunk.parts is not None else plan_chunk(req, chunk, self._pools)
-            post_parts(req, parts, chunk.last, session.conn, chunk.ready, self._observer.event)
+            post_parts(req, parts, chunk.last, session.conn, chunk.ready, self._observer.event,
+                       (chunk.span, *(chunk.layers or (0, 0))))
         except (RequestError, LayoutError, TransportError) as exc:
             where = "" if isinstance(exc, (RequestError, LayoutError)) else f"posting to decode {session.engine} failed: "
             self._apply(req, req.life.on_post_failed(f"{where}{exc}", exc, now, bool(unfinished(req.handles))))

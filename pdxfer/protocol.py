@@ -14,8 +14,11 @@ The conversation:
                                    `offsets`: per pool, the leading entries of what the prefill
                                    sends that the decode already holds (a prefix hit): the
                                    destinations name only the tail after them (version 5)
-    prefill → decode    (data)     one transfer per pool, each carrying a `Landed` notify
-    decode  → prefill   Done       every part of every chunk through the last has landed
+    prefill → decode    (data)     one transfer per pool, each carrying a `Landed` notify; a
+                                   chunk names its span (the set of entries it belongs to) and
+                                   the layers of them it carries (streamed sends, version 7)
+    decode  → prefill   Done       every part of every chunk through the last has landed, and
+                                   every layer of every span
     either  → other     Abort      request failed/aborted here; `fence` = bytes may still fly
     prefill → decode    AbortAck   the prefill's transfers for it are finished (`clean`) or cut
                                    (both from the prefill name its data `links` whose bytes of
@@ -60,9 +63,10 @@ import numpy as np
 from pdxfer.transport.errors import ProtocolError
 from pdxfer.transport.wire import LENGTH, Protocol
 
-VERSION = 6  # 2: Fenced; 3: LiveRange; 4: Abort/AbortAck name their `links` (#25.1);
+VERSION = 7  # 2: Fenced; 3: LiveRange; 4: Abort/AbortAck name their `links` (#25.1);
 # 5: Expect.offsets (tail-only Expect) and Renew (a decode keeps a prefill's hold, #30, #31);
 # 6: Refuse says who refused and its pools, Echo/EchoDone (`pdxfer probe`, #32)
+# 7: Landed names its span and layer range (streamed layer groups, #33)
 # Data links an Abort/AbortAck may name: a prefill has one live data link per decode and
 # a few it has just cut; anything longer is refused as malformed.
 MAX_LINKS = 64
@@ -250,9 +254,13 @@ class Landed:
     """The notify payload of one transfer, delivered to decode after its bytes.
 
     `parts` is how many transfers make up `chunk`; decode declares Success
-    once the chunk marked `last` and every chunk before it have all parts.
-    `nbytes` and `segments` are this transfer's, so decode's stats match
-    prefill's without a second message.
+    once the chunk marked `last` and every chunk before it have all parts,
+    and every `span` among them has every layer landed. `span` numbers the
+    sets of entries the prefill sent (one per whole-entry chunk; the layer
+    ranges of one streamed set share it); `lo`, `hi`: the layers `[lo, hi)`
+    of that span this chunk carries, `hi == 0` for every layer (a
+    whole-entry chunk). `nbytes` and `segments` are this transfer's, so
+    decode's stats match prefill's without a second message.
     """
 
     TYPE: ClassVar[str] = "landed"
@@ -264,6 +272,9 @@ class Landed:
     last: bool
     nbytes: int
     segments: int
+    span: int = 0
+    lo: int = 0
+    hi: int = 0  # 0: every layer
 
 
 CONTROL = Protocol(
@@ -341,7 +352,7 @@ def check_links(links: Any, what: str) -> list[str]:
 
 
 def landed_payload(request: str, xid: int, chunk: int, part: int, parts: int, last: bool,
-                   nbytes: int, segments: int) -> bytes:
+                   nbytes: int, segments: int, span: int = 0, lo: int = 0, hi: int = 0) -> bytes:
     """`encode_notify(Landed(...))`, built without the dataclass: this runs once per transfer.
 
     The generic path costs ~3 us (dataclass construction, field reflection);
@@ -351,7 +362,8 @@ def landed_payload(request: str, xid: int, chunk: int, part: int, parts: int, la
     # msgpack.packb, not a shared Packer: a Packer's buffer is not thread-safe.
     return _LANDED_HEAD + msgpack.packb({
         "request": request, "xid": xid, "chunk": chunk, "part": part, "parts": parts,
-        "last": last, "nbytes": nbytes, "segments": segments}, use_bin_type=True)
+        "last": last, "nbytes": nbytes, "segments": segments, "span": span, "lo": lo,
+        "hi": hi}, use_bin_type=True)
 
 
 # The envelope up to the body, identical for every Landed: a 4-entry map, then

@@ -110,6 +110,7 @@ from ..decode import DecodeEngine
 from ..errors import ConfigError, PdxferError, UnknownRequestError
 from ..prefill import PrefillEngine
 from .kit import CONFIG_ENV, engine_config, engine_poll
+from .layer_stream import LayerStream
 
 #: The vLLM release this connector is written and tested against (tests/engines/vllm-pins.txt).
 BUILT_FOR = "0.33"
@@ -315,6 +316,8 @@ class PdxferConnectorMetadata(KVConnectorMetadata):
     def __init__(self) -> None:
         self.recv: dict[str, tuple[str, list[str], list[list[int]]]] = {}  # id -> (pdxfer id, addrs, blocks)
         self.send: dict[str, list[list[int]]] = {}  # id -> blocks per group
+        self.stream: dict[str, list[list[int]]] = {}  # id -> blocks, streamed by layer groups
+        self.abort: list[str] = []  # streamed ids vLLM ended before handing them off
 
 
 # ==== metrics ===============================================================================
@@ -499,6 +502,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         given = ktc.get_from_extra_config("pdxfer", None)
         text = json.dumps(given) if given is not None else os.environ.get(CONFIG_ENV)
         self.config = engine_config(text, host=get_ip, request_timeout=SERVING_REQUEST_TIMEOUT)
+        self._init_streaming(ktc, specs)
         # scheduler side
         # vLLM id -> (pdxfer id, prefill addresses, tail blocks per group, cached blocks per group)
         self._to_recv: dict[str, tuple[str, list[str], list[list[int]], list[int]]] = {}
@@ -602,6 +606,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Decode: remember the blocks the prefill will write; once per request."""
         p = request.kv_transfer_params
+        self._stream_candidate(request, blocks)
         if not p or not p.get("do_remote_prefill"):
             return
         p["do_remote_prefill"] = False
@@ -618,6 +623,8 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         meta = PdxferConnectorMetadata()
         meta.recv, meta.send = self._to_recv, self._to_send
         self._to_recv, self._to_send = {}, {}
+        self._stream_meta(scheduler_output, meta)
+        meta.abort, self._to_abort = meta.abort + self._to_abort, []
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -630,6 +637,9 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         p = request.kv_transfer_params
         if not p:
             return False, None
+        streamed = self._streamed_finished(request)
+        if streamed is not None:
+            return streamed
         if p.get("do_remote_prefill"):  # a decode request that ended before its blocks came
             p["do_remote_prefill"] = False
             return False, None
@@ -657,7 +667,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         """Keep vLLM stepping while a finished prefill request's blocks wait for its decode."""
-        return bool(self._held or self._to_send)
+        return bool(self._held or self._to_send or self._to_abort)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         """The workers' prefill addresses, in TP rank order."""
@@ -680,6 +690,19 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         pools = group_pools(kv_caches, groups, int(self._kv_cache_config.num_blocks), identity)
         if self._producer:
             self.prefill = PrefillEngine(pools, self.config)
+            if self._layer_groups:
+                names = groups[0]
+                # A layer's block views are one or two tensors of each field (K and V of equal
+                # shapes share one): the pool's layer axis holds `stride` entries per layer.
+                axis = max(f.layers for f in pools["g0"].fields)
+                stride = axis // len(names)
+                if stride * len(names) != axis:
+                    raise ConfigError(f"pdxfer_layer_groups: the cache group's {len(names)} layers "
+                                      f"make {axis} tensors per field, not a whole number per "
+                                      "layer; set pdxfer_layer_groups to 0 for this model")
+                self._stream = LayerStream(self.prefill.send, {n: i for i, n in enumerate(names)},
+                                           len(names), self._layer_groups,
+                                           lambda rid, exc: self._failed.add(rid), stride=stride)
         if self._consumer:
             self.decode = DecodeEngine(pools, self.config)
 
@@ -705,6 +728,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             except PdxferError as exc:
                 log.error("pdxfer: request %s cannot be received: %s", rid, exc)
                 self._failed.add(rid)
+        self._start_streams(meta)
         for rid, blocks in meta.send.items():
             self._sending.add(rid)
             try:
@@ -719,10 +743,105 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         """Loads are whole-request and asynchronous: nothing to wait for per layer."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """The prefill pushes finished requests whole (start_load_kv); nothing per layer."""
+        """Streaming (`pdxfer_layer_groups`): send the layer group this layer closes; else nothing
+        (finished requests are pushed whole from start_load_kv)."""
+        if self._stream is not None:
+            # vLLM binds the step's metadata before the forward but calls start_load_kv after
+            # it (async loads): the streams of the step begin at its first layer.
+            self._start_streams(self._get_connector_metadata())
+            self._stream.layer_done(layer_name)
 
     def wait_for_save(self) -> None:
-        """Sends are asynchronous; their blocks stay held until `finished_sending`."""
+        """Streaming: the pass ended, send what it did not report. Sends are asynchronous; their
+        blocks stay held until `finished_sending`."""
+        if self._stream is not None:
+            self._stream.finish()
+
+    # ==== streamed layer groups (#33) ==============================================
+    def _init_streaming(self, ktc: Any, specs: Sequence[Any]) -> None:
+        """`kv_connector_extra_config={"pdxfer_layer_groups": N}`: stream a prefill's blocks in N
+        layer groups during its forward pass (0, the default: push finished requests whole).
+
+        Both sides of the connector decide alike from the cache config: one attention group
+        (no Mamba, one layer axis) streams; any other model keeps whole pushes, said once.
+        Only a request whose whole prompt (less any prefix hit) runs in one step is streamed;
+        one chunked over several steps is pushed whole when it finishes.
+        """
+        groups = ktc.get_from_extra_config("pdxfer_layer_groups", 0)
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:
+            raise ConfigError(f"pdxfer_layer_groups must be an int >= 0 (0: off), got {groups!r}")
+        self._layer_groups = groups if self._producer else 0
+        if self._layer_groups and (len(specs) != 1 or self._ssm_spec[0] is not None):
+            log.warning("pdxfer: pdxfer_layer_groups=%d ignored: streaming needs one attention "
+                        "cache group (this model has %d groups%s); finished requests are "
+                        "pushed whole", groups, len(specs),
+                        ", Mamba" if any(s is not None for s in self._ssm_spec) else "")
+            self._layer_groups = 0
+        self._candidates: dict[str, tuple[Any, list[list[int]]]] = {}  # scheduler: allocated now
+        self._streamed: set[str] = set()  # scheduler: streamed by the workers, not pushed again
+        self._to_abort: list[str] = []  # scheduler: streamed requests the workers must abort
+        self._stream: LayerStream | None = None  # worker
+        self._streams_of: Any = None  # worker: the step metadata whose streams began
+
+    def _stream_candidate(self, request: Any, blocks: Any) -> None:
+        """Scheduler, at allocation: a prefill request that may stream in this step."""
+        p = request.kv_transfer_params
+        if self._layer_groups and p and p.get("do_remote_decode"):
+            self._candidates[request.request_id] = (request, blocks.get_block_ids())
+
+    def _stream_meta(self, scheduler_output: Any, meta: Any) -> None:
+        """Scheduler: this step's streamed requests — those its forward prefills to the end."""
+        meta.stream, meta.abort = {}, []
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        for rid, (request, block_ids) in self._candidates.items():
+            n = scheduled.get(rid, 0)
+            # Called before vLLM advances num_computed_tokens by this step's tokens.
+            if n and request.num_computed_tokens + n >= request.num_prompt_tokens:
+                blocks = self._transfer_blocks(block_ids)
+                if any(blocks):
+                    meta.stream[rid] = blocks
+                    self._streamed.add(rid)
+        self._candidates = {}
+
+    def _streamed_finished(self, request: Any) -> tuple[bool, dict | None] | None:
+        """Scheduler: a streamed request finished; its blocks are held until pdxfer is done
+        with them (aborted in pdxfer first unless it ended normally with addresses to give)."""
+        rid = request.request_id
+        if rid not in self._streamed:
+            return None
+        self._streamed.discard(rid)
+        self._held.add(rid)
+        normal = request.status in (self._status.FINISHED_LENGTH_CAPPED,
+                                    self._status.FINISHED_STOPPED)
+        if not normal or len(self._addresses) != self._tp_size:
+            self._to_abort.append(rid)
+            return True, None
+        return True, {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_request_id": rid, "remote_addresses": list(self._addresses),
+                      "tp_size": self._tp_size, "remote_num_tokens": request.num_computed_tokens,
+                      "transfer_mode": "push"}
+
+    def _start_streams(self, meta: Any) -> None:
+        """Worker, at the step's first layer (or its start_load_kv): begin this step's streams
+        and abort the ones given up; once per step's metadata."""
+        if meta is self._streams_of:
+            return
+        self._streams_of = meta
+        for rid in getattr(meta, "abort", ()):
+            self._sending.add(rid)
+            if self.prefill is not None:
+                try:
+                    self.prefill.abort(rid, "vLLM finished the request before it was handed off")
+                except PdxferError:
+                    pass  # finished meanwhile: get_transfer_results reports it
+        for rid, blocks in getattr(meta, "stream", {}).items():
+            self._sending.add(rid)
+            if self._stream is None:
+                log.error("pdxfer: request %s cannot be streamed: this worker has no prefill "
+                          "engine streaming layer groups", rid)
+                self._failed.add(rid)
+                continue
+            self._stream.begin(rid, {f"g{g}": b for g, b in enumerate(blocks) if b})
 
     def _finished(self, engine: Any, pid: str, rid: str) -> tuple[KVPoll, str] | None:
         """`(final state, failure kind)` once it is safe to report (released then), else None."""

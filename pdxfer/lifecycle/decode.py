@@ -1,4 +1,4 @@
-"""A decode request's lifecycle: announce it, count the parts that land, finish once.
+"""A decode request's lifecycle: announce it, prove every part and layer landed, finish once.
 
     DIALING ──welcome──► EXPECTED ──landed──► RECEIVING ──last part──► SUCCEEDED
        │                    │                    │
@@ -65,20 +65,34 @@ _TIMED = (DPhase.DIALING, DPhase.EXPECTED, DPhase.RECEIVING, DPhase.ABORTING)
 class DecodeLife:
     """One request on the decode: announce it, count the parts that land, finish once."""
 
-    __slots__ = ("aborting", "can_fence", "complete", "deadline", "expect", "fence_why", "id",
-                 "last_chunk", "landed", "links", "parts", "phase", "seen", "timing", "told", "xid")
+    __slots__ = ("aborting", "can_fence", "claimed", "complete", "deadline", "depth", "expect",
+                 "fence_why", "id", "last_chunk", "landed", "layers", "links", "partial", "parts",
+                 "phase", "seen", "spans", "timing", "told", "xid")
 
     def __init__(self, rid: str, xid: int, expect: Expect, timing: Timing, now: float, *,
-                 fence: bool = True) -> None:
-        """`fence`: the transport's `capabilities.fence` — drop_peer, or quarantine."""
+                 fence: bool = True, depth: int = 1) -> None:
+        """`fence`: the transport's `capabilities.fence` — drop_peer, or quarantine.
+
+        `depth`: the layers a span must land (`pools.PoolSet.depth`: the
+        deepest field of any pool, the same number on both sides of a
+        matched handshake).
+        """
         self.id, self.xid, self.expect, self.timing = rid, xid, expect, timing
         self.can_fence = fence
+        self.depth = depth
         self.phase = DPhase.DIALING
         self.deadline = now + timing.wait
         self.parts: dict[int, int] = {}  # chunk -> transfers it has
         self.landed: dict[int, set[int]] = {}  # chunk -> the parts of it that landed
         self.complete = 0  # chunks with every part landed
         self.last_chunk: int | None = None
+        # Streamed layer ranges (#33): chunk -> (span, lo, hi) as its first notify announced it;
+        # span -> the layers its announced chunks claim (no two may share a layer); span -> the
+        # layers of its WHOLE chunks; the spans seen whose landed layers are not yet all `depth`.
+        self.spans: dict[int, tuple[int, int, int]] = {}
+        self.claimed: dict[int, set[int]] = {}
+        self.layers: dict[int, set[int]] = {}
+        self.partial: set[int] = set()
         self.aborting: tuple[str, BaseException | None] | None = None
         self.told = False  # a failure before the Expect left was told to the prefill
         self.fence_why = ""
@@ -120,33 +134,53 @@ class DecodeLife:
             return [Send(Abort(self.id, self.xid, self.aborting[0], False))]
         return []
 
-    def on_landed(self, chunk: int, part: int, parts: int, last: bool, now: float) -> list:
-        """One transfer's notify: Success once every part of every chunk 0..last has landed.
+    def on_landed(self, chunk: int, part: int, parts: int, last: bool, now: float,
+                  span: int | None = None, lo: int = 0, hi: int = 0) -> list:
+        """One transfer's notify: Success once every part of every chunk 0..last has landed
+        and every span among them has every layer.
 
         A proof, not a count: each chunk keeps the set of its parts that
         landed, and a notify that cannot belong to the request — a part
         already landed, a part or chunk outside its range, a second "last"
-        chunk, a part count that changed — fails the request as a protocol
-        error naming what was wrong (#29.5). Then "every chunk through the
-        last is whole" holds exactly when the number of whole chunks is
-        last + 1: every chunk counted lies in 0..last and is counted once.
+        chunk, a part count that changed, a layer range outside `depth` or
+        sharing a layer with another chunk of its span — fails the request
+        as a protocol error naming what was wrong (#29.5). Then "every chunk
+        through the last is whole" holds exactly when the number of whole
+        chunks is last + 1: every chunk counted lies in 0..last and is
+        counted once. Each whole chunk adds its layers `[lo, hi)` to its
+        span's set (`hi == 0`: every layer; `span` None: the chunk is a span
+        of its own); a span is whole when that set holds every layer
+        0..depth-1, and Success needs no span left partial (#33).
         """
         if self.phase not in (DPhase.EXPECTED, DPhase.RECEIVING):
             return []  # aborting, fencing or final: late notifies count for nothing
-        bad = self._bad_notify(chunk, part, parts, last)
+        if span is None:
+            span = chunk
+        if hi == 0 and lo == 0:
+            hi = self.depth
+        bad = self._bad_notify(chunk, part, parts, last) or self._bad_layers(chunk, span, lo, hi)
         if bad is not None:
             return self.on_abort(f"prefill sent an inconsistent notify for chunk {chunk} (part "
                                  f"{part} of {parts}): {bad}", now,
                                  ProtocolError(f"inconsistent notify: {bad}"))
+        if chunk not in self.spans:
+            self.spans[chunk] = (span, lo, hi)
+            self.claimed.setdefault(span, set()).update(range(lo, hi))
         self.parts.setdefault(chunk, parts)
         got = self.landed.setdefault(chunk, set())
         got.add(part)
         if len(got) == parts:
             self.complete += 1
+            have = self.layers.setdefault(span, set())
+            have.update(range(lo, hi))
+            if len(have) == self.depth:
+                self.partial.discard(span)
+            else:
+                self.partial.add(span)
         if last:
             self.last_chunk = chunk
         self.deadline = now + self.timing.wait
-        if self.last_chunk is None or self.complete != self.last_chunk + 1:
+        if self.last_chunk is None or self.complete != self.last_chunk + 1 or self.partial:
             self.phase = DPhase.RECEIVING
             return []
         self.phase = DPhase.SUCCEEDED
@@ -169,6 +203,21 @@ class DecodeLife:
             beyond = [c for c in self.parts if c > chunk]
             if beyond:
                 return f"chunk {max(beyond)} landed past this last chunk"
+        return None
+
+    def _bad_layers(self, chunk: int, span: int, lo: int, hi: int) -> str | None:
+        """What makes this chunk's span and layers impossible for the request, or None."""
+        if span < 0 or not 0 <= lo < hi <= self.depth:
+            return (f"span {span} layers [{lo}, {hi}) must be a span >= 0 and a layer range "
+                    f"inside the pools' {self.depth} layers")
+        known = self.spans.get(chunk)
+        if known is not None:
+            return None if known == (span, lo, hi) else (
+                f"chunk {chunk} was announced as span {known[0]} layers [{known[1]}, {known[2]})")
+        shared = self.claimed.get(span)
+        if shared and not shared.isdisjoint(range(lo, hi)):
+            return (f"layers [{lo}, {hi}) of span {span} overlap layers another chunk of it "
+                    "already carries")
         return None
 
     def on_abort(self, reason: str, now: float, error: BaseException | None = None) -> list:

@@ -80,7 +80,7 @@ class Side:
                  timeout: float = 2.0, request_timeout: float | None = 2.0, seed: int = 0,
                  blocks: int = BLOCKS, max_seqs: int = 8, policy: str = "fail",
                  prefix_caching: bool | None = None, tp: int = 1, scheduler_only: bool = False,
-                 worker_only: bool = False) -> None:
+                 worker_only: bool = False, extra: dict | None = None) -> None:
         pdxfer = {"transport": "tcp", "host": "127.0.0.1", "timeout": timeout}
         if request_timeout is not None:
             pdxfer["request_timeout"] = request_timeout
@@ -95,7 +95,7 @@ class Side:
                 not hybrid if prefix_caching is None else prefix_caching)),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="PdxferConnector", kv_connector_module_path="pdxfer.integrations.vllm",
-                kv_role=role, kv_connector_extra_config={"pdxfer": pdxfer},
+                kv_role=role, kv_connector_extra_config={"pdxfer": pdxfer, **(extra or {})},
                 kv_load_failure_policy=policy),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             device_config=DeviceConfig("cpu"))

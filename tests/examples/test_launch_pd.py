@@ -95,3 +95,19 @@ def test_demo_moving_the_pool_boundary_on_both_workers_keeps_outputs_identical(l
     assert "outputs identical: all 4 requests match" in out
     assert re.search(r"^resizes: 8 boundary moves \(4 on prefill, 4 on decode\)", out, re.M), out
     _assert_gone(_worker_pids(out))
+
+
+def test_demo_streaming_kv_by_layer_groups_keeps_outputs_identical(launcher_run) -> None:
+    # The prefill sends each attention layer's kv pages as soon as the model computed it
+    # (PrefillEngine.send(layers=)), the state and first token after the last layer; the
+    # run README.md shows (made once for both, tests/conftest.py).
+    proc = launcher_run("examples.launch_pd", ["--layer-groups", "4", "--requests", "3",
+                        "--prompt-len", "16", "--gen-len", "4"])
+    out = proc.stdout + "\n--- stderr ---\n" + proc.stderr
+    assert proc.returncode == 0, out
+    assert "kv streamed in 2 layer group(s) while the prefill computes (the model has 2" in out
+    rows = re.findall(r"^(req-\d+)\s+([\d,]+)\s+(\d+)\s+(\d+)\s+([\d.]+) ms\s+identical", out, re.M)
+    assert [r[0] for r in rows] == ["req-0", "req-1", "req-2"], out
+    for _, _, segments, _, _ in rows:  # 4 pages x 2 groups + the state and first-token entries
+        assert int(segments) == 4 * 2 + 2, out
+    assert "outputs identical: all 3 requests match" in out

@@ -91,6 +91,9 @@ class Prefill(Proc):
     def send(self, rid: str, kv: list[int], state: list[int]) -> None:
         assert self.ask(f"send {rid} {_csv(kv)} {_csv(state)}") == f"SENT {rid}"
 
+    def stream(self, rid: str, kv: list[int], layers: tuple[int, int]) -> None:
+        assert self.ask(f"stream {rid} {_csv(kv)} {layers[0]} {layers[1]}") == f"SENT {rid}"
+
     def wait(self, rid: str) -> str:
         return self.ask(f"wait {rid}")
 

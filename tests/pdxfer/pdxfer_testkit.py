@@ -52,10 +52,12 @@ STATE_FIELDS = [
 
 def build_pools(kv_entries: int = 256, state_entries: int = 64, *, kind: str = "entry",
                 seed: int | None = None, kv_fields: list | None = None) -> dict:
-    """`{"kv": ..., "state": ...}`; `kind` is "entry" or "layer" (the kv pool's axis order)."""
+    """`{"kv": ..., "state": ...}`; `kind` is "entry", "layer" or "interleaved" (the kv pool's order)."""
     fields = kv_fields or KV_FIELDS
     if kind == "entry":
         kv = layout.EntryMajorArena(fields, kv_entries, "cpu")
+    elif kind == "interleaved":
+        kv = layout.LayerInterleavedArena(fields, kv_entries, "cpu")
     elif kind == "layer":
         kv = layout.LayerMajorArena(fields, kv_entries, "cpu")
     else:
@@ -110,6 +112,9 @@ def expected_after(dst_pools: dict, before: dict, src_pools: dict,
 def _rebuild(arena, bufs: list[torch.Tensor]):
     if isinstance(arena, layout.LayerMajorArena):
         return layout.LayerMajorArena(arena.fields, arena.entries, "cpu", buf=bufs[0])
+    if isinstance(arena, layout.LayerInterleavedArena):
+        return layout.LayerInterleavedArena(arena.fields, arena.entries, "cpu", buf=bufs[0],
+                                            slot_stride=arena.slot_stride)
     if isinstance(arena, layout.SplitEntryMajorArena):
         return layout.SplitEntryMajorArena([_rebuild(p, [b]) for p, b in zip(arena.arenas, bufs, strict=True)])
     return layout.EntryMajorArena(arena.fields, arena.entries, "cpu", buf=bufs[0],

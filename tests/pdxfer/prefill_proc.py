@@ -5,6 +5,7 @@ starts a `PrefillEngine` on the given port and prints `READY host:port`.
 Then one command per line:
 
     send <rid> <kv indices, comma-separated> <state indices, comma-separated or ->
+    stream <rid> <kv indices> <a> <b>  -> layers a..b-1 of those kv entries (last=True)
     wait <rid>        -> prints `OK <rid>` or `FAIL <rid> <reason>`
     until <rid> <state> -> prints `AT <rid> <state>` once poll(rid) reaches it (polled, bounded)
     peers <n>         -> prints `PEERS <count>` once `len(engine.peers())` is n (polled, bounded)
@@ -29,7 +30,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--kind", default="entry", help="the kv pool's axis order: entry or layer")
+    parser.add_argument("--kind", default="entry", help="the kv pool's axis order: entry, layer or interleaved")
     parser.add_argument("--entries", type=int, default=256)
     parser.add_argument("--grace", type=float, default=0.3)
     parser.add_argument("--fence", default="on", help="off: transport_options fence=False")
@@ -46,6 +47,10 @@ def main() -> int:
         engine.send(rid, {"kv": kv_idx, "state": state_idx} if state_idx else {"kv": kv_idx})
         return f"SENT {rid}"
 
+    def stream(rid: str, kv: str, a: str, b: str) -> str:
+        engine.send(rid, {"kv": csv_indices(kv)}, layers=(int(a), int(b)))
+        return f"SENT {rid}"
+
     def until(rid: str, state: str) -> str:
         want, deadline = KVPoll[state], time.monotonic() + 30.0
         now = poll_or_none(engine, rid)
@@ -60,7 +65,7 @@ def main() -> int:
             time.sleep(0.001)  # polling a table the progress thread changes, bounded
         return f"PEERS {len(engine.peers())}"
 
-    serve(engine, {"send": send, "until": until, "peers": peers})
+    serve(engine, {"send": send, "stream": stream, "until": until, "peers": peers})
     return 0
 
 

@@ -24,7 +24,8 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["foo"], "invalid choice: 'foo'"),
     (["bench"], "the following arguments are required: which"),
     (["bench", "transprot"], "invalid choice: 'transprot' (choose from 'transport', 'engine', 'layouts', "
-                             "'request-cost', 'tp', 'chunked', 'scaling', 'elastic', 'directory', "
+                             "'request-cost', 'tp', 'chunked', 'layerwise', 'scaling', 'elastic', "
+                             "'directory', "
                              "'peers')"),
     (["layout"], "pass --example"),
     (["layout", "--example", "--pages", "5000"], "--pages: '5000': give 1..1024 distinct pages, each 0..1023"),
