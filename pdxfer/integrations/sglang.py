@@ -28,11 +28,19 @@ What maps to what:
   scheduler never waits on the network longer than a short bound) and then
   speaks pdxfer's own handshake to it. The registry carries addresses only;
   the layout check, liveness and fencing are pdxfer's.
-- **TP ranks.** Decode TP rank r receives from prefill TP rank r (same
-  attention TP size on both sides; per-layer pools cannot be resliced by
-  head across sizes). Another TP, CP or PP size fails each request with the
-  reason, instead of crashing the scheduler. SGLang all-reduces (MIN) each
-  poll over the TP group, so a request commits when every rank's copy did.
+- **TP ranks.** At equal attention TP sizes decode rank r receives from
+  prefill rank r. MLA at a prefill TP k times the decode's (prefill TP 8 to
+  decode DP attention, the DeepSeek shape): MLA's latent cache is
+  replicated over the prefill's ranks, so a decode rank reads one replica
+  whole, from one rank of its group of k (chosen by room, spreading the
+  load), and expects the other k - 1 with nothing to send (empty
+  destinations, every entry skipped), which finishes their senders: MLA
+  moves once, from one rank. Per-head K/V (MHA, GQA) cannot be resliced
+  here (SGLang's per-layer buffers hold a token's heads together), nor can
+  hybrid state: those, other MLA ratios, CP and PP fail each request with
+  the reason (`mixed_tp_refusal`) instead of crashing the scheduler. SGLang
+  all-reduces (MIN) each poll over the TP group, so a request commits when
+  every rank's copy did.
 - **Prefill DP.** Each prefill DP rank registers under its DP rank; with a
   load balancer other than `follow_bootstrap_room` (or
   `SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK`) each sender registers
@@ -52,8 +60,9 @@ What maps to what:
   timeout. `failure_exception` says when the failure came from another rank
   (`is_from_another_rank`). Decode TP > 1 with the deferred release turned
   off is refused at start; `clear()` on a live request aborts it.
-- **Requests.** A request's pdxfer id is its `bootstrap_room` (an int) as
-  text. The decode receiver's `send_metadata` is `DecodeEngine.expect` with
+- **Requests.** A request's pdxfer id is its `bootstrap_room` and the
+  prefill TP rank that serves it (`request_id`: both sides compute it
+  alone). The decode receiver's `send_metadata` is `DecodeEngine.expect` with
   the destination pages, its aux row and its state slots; each prefill
   `send` is one `PrefillEngine.send` chunk. SGLang passes no "last" flag: its
   last chunk is the one carrying `state_indices` (a list, empty without state
@@ -78,13 +87,14 @@ the host defaults to the address SGLang's own backends advertise, and
 setting: `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` on the prefill (how long
 it waits for the decode's Expect), `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` on
 the decode (300 s each by default); `timeout` stays pdxfer's short liveness
-bound. Not supported (each refused with the reason): a decode radix-cache
-prefix (`decode_prefix_len > 0`), host destinations, staging buffers,
-different TP/CP/PP sizes, hybrid state components other than Mamba
+bound. A decode radix-cache prefix (`decode_prefix_len`, whole pages) is an
+Expect for the tail with an offset (`offsets`): the prefill, told nothing
+by SGLang, sends every page, and pdxfer ships the tail only. Not supported
+(each refused with the reason): host destinations, staging buffers, mixed
+TP other than MLA's, CP and PP, hybrid state components other than Mamba
 (`unsupported_states`), decode TP > 1 without SGLang's deferred KV release,
 and `release_memory_occupation` of the KV cache under `--enable-memory-saver`.
-`transfer_latency_s` is `RequestStats.elapsed_s` (from the first chunk to the
-finish: pdxfer's stats have no wire time yet).
+`transfer_latency_s` is `RequestStats.wire_s`, the time on the wire.
 """
 
 from __future__ import annotations
