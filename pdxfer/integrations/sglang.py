@@ -735,6 +735,8 @@ class _Request:
             self._abort_parts(f"{self.kv_mgr.mode} scheduler released the request (state {state.name})")
             for rid in self._live():
                 self.kv_mgr.orphan(rid)
+            # SGLang asks nothing more of the room (its deferred release ran before clear())
+            self.kv_mgr.forget_room(self.bootstrap_room)
 
 
 def _failed(rid: str, reason: str, *, from_another_rank: bool) -> RequestFailed:
