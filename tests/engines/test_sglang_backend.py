@@ -234,6 +234,19 @@ def test_mla_prefill_tp2_to_decode_tp1_reads_one_replica_from_one_rank(server_ar
         assert done[sender]["nbytes"] > 3 * page_bytes, done
 
 
+def test_mla_at_equal_tp_pairs_rank_r_with_rank_r(server_args, procs) -> None:
+    mla = procs["mla"]
+    for rank, room, dst in ((0, 8100, [46, 47, 48]), (1, 8101, [49, 50, 51])):
+        dec = decode(server_args, f"mla{rank}", rank, mla=True)
+        req, dreq = transfer(dec, mla, room=room, n=40, dst=dst, src=[2, 11, 5], ends=[20, 40],
+                             rank=rank)
+        assert [rid for rid, _ in dreq.kv_receiver.sources] == [plugin.request_id(room, rank)]
+        finish(dec, req)
+        done = mla.read()
+        assert (done["rank"], done["finished"]) == (rank, "FINISH_LENGTH"), done
+        assert H.page_crc(dec.pool, dst, None) == done["crc"]
+
+
 def test_mixed_tp_for_mha_is_refused_with_the_reason(server_args, procs) -> None:
     dec = decode(server_args, "mha-tp1", attn_tp=1)
     req = H.request(1006, 40, procs["mha"].port)
