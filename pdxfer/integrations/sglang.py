@@ -28,11 +28,19 @@ What maps to what:
   scheduler never waits on the network longer than a short bound) and then
   speaks pdxfer's own handshake to it. The registry carries addresses only;
   the layout check, liveness and fencing are pdxfer's.
-- **TP ranks.** Decode TP rank r receives from prefill TP rank r (same
-  attention TP size on both sides; per-layer pools cannot be resliced by
-  head across sizes). Another TP, CP or PP size fails each request with the
-  reason, instead of crashing the scheduler. SGLang all-reduces (MIN) each
-  poll over the TP group, so a request commits when every rank's copy did.
+- **TP ranks.** At equal attention TP sizes decode rank r receives from
+  prefill rank r. MLA at a prefill TP k times the decode's (prefill TP 8 to
+  decode DP attention, the DeepSeek shape): MLA's latent cache is
+  replicated over the prefill's ranks, so a decode rank reads one replica
+  whole, from one rank of its group of k (chosen by room, spreading the
+  load), and expects the other k - 1 with nothing to send (empty
+  destinations, every entry skipped), which finishes their senders: MLA
+  moves once, from one rank. Per-head K/V (MHA, GQA) cannot be resliced
+  here (SGLang's per-layer buffers hold a token's heads together), nor can
+  hybrid state: those, other MLA ratios, CP and PP fail each request with
+  the reason (`mixed_tp_refusal`) instead of crashing the scheduler. SGLang
+  all-reduces (MIN) each poll over the TP group, so a request commits when
+  every rank's copy did.
 - **Prefill DP.** Each prefill DP rank registers under its DP rank; with a
   load balancer other than `follow_bootstrap_room` (or
   `SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK`) each sender registers
@@ -52,8 +60,9 @@ What maps to what:
   timeout. `failure_exception` says when the failure came from another rank
   (`is_from_another_rank`). Decode TP > 1 with the deferred release turned
   off is refused at start; `clear()` on a live request aborts it.
-- **Requests.** A request's pdxfer id is its `bootstrap_room` (an int) as
-  text. The decode receiver's `send_metadata` is `DecodeEngine.expect` with
+- **Requests.** A request's pdxfer id is its `bootstrap_room` and the
+  prefill TP rank that serves it (`request_id`: both sides compute it
+  alone). The decode receiver's `send_metadata` is `DecodeEngine.expect` with
   the destination pages, its aux row and its state slots; each prefill
   `send` is one `PrefillEngine.send` chunk. SGLang passes no "last" flag: its
   last chunk is the one carrying `state_indices` (a list, empty without state
@@ -78,13 +87,14 @@ the host defaults to the address SGLang's own backends advertise, and
 setting: `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` on the prefill (how long
 it waits for the decode's Expect), `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` on
 the decode (300 s each by default); `timeout` stays pdxfer's short liveness
-bound. Not supported (each refused with the reason): a decode radix-cache
-prefix (`decode_prefix_len > 0`), host destinations, staging buffers,
-different TP/CP/PP sizes, hybrid state components other than Mamba
+bound. A decode radix-cache prefix (`decode_prefix_len`, whole pages) is an
+Expect for the tail with an offset (`offsets`): the prefill, told nothing
+by SGLang, sends every page, and pdxfer ships the tail only. Not supported
+(each refused with the reason): host destinations, staging buffers, mixed
+TP other than MLA's, CP and PP, hybrid state components other than Mamba
 (`unsupported_states`), decode TP > 1 without SGLang's deferred KV release,
 and `release_memory_occupation` of the KV cache under `--enable-memory-saver`.
-`transfer_latency_s` is `RequestStats.elapsed_s` (from the first chunk to the
-finish: pdxfer's stats have no wire time yet).
+`transfer_latency_s` is `RequestStats.wire_s`, the time on the wire.
 """
 
 from __future__ import annotations
@@ -100,6 +110,8 @@ import urllib.error
 import urllib.request
 from types import SimpleNamespace
 from typing import Any
+
+import numpy as np
 
 from ..config import KVPoll
 from ..decode import DecodeEngine
@@ -184,13 +196,69 @@ def _refusal(info: dict, mgr: PdxferKVManager) -> str | None:
     if info.get("kv_cache_dtype") not in (None, dtype):
         return (f"prefill kv_cache_dtype={info['kv_cache_dtype']}, decode {dtype}; run both "
                 "with the same --kv-cache-dtype")
-    if int(info.get("attn_tp_size", 1)) != mgr.attn_tp_size:
-        return (f"prefill attn_tp_size={info['attn_tp_size']}, decode {mgr.attn_tp_size}: pdxfer's "
-                "SGLang backend pairs TP rank r with TP rank r; run both with the same TP size")
     if int(info.get("attn_cp_size", 1)) != 1 or int(info.get("pp_size", 1)) != 1:
         return (f"prefill attn_cp_size={info.get('attn_cp_size')}, pp_size={info.get('pp_size')}: "
                 "pdxfer's SGLang backend supports neither context nor pipeline parallel prefill")
+    return mixed_tp_refusal(int(info.get("attn_tp_size", 1)), mgr.attn_tp_size,
+                            mla=mgr.is_mla_backend, states=mgr.state_pools)
+
+
+def mixed_tp_refusal(prefill_tp: int, decode_tp: int, *, mla: bool, states: list[str]) -> str | None:
+    """Why a decode at attention TP `decode_tp` cannot read a prefill at `prefill_tp`, or None.
+
+    Equal sizes pair TP rank r with TP rank r. Different sizes work for MLA
+    only, with the prefill's a multiple of the decode's: MLA's latent cache
+    is replicated over the attention TP ranks, so a decode rank reads one
+    prefill replica whole (`source_ranks`) and reslices nothing. Per-head
+    K/V (MHA, GQA) would need each page cut by head: SGLang's per-layer
+    buffers hold a token's heads together, so a head slice is one strided
+    piece per token, which pdxfer's pools do not describe; hybrid state
+    (Mamba/GDN) is split across TP ranks the same way.
+    """
+    if prefill_tp == decode_tp:
+        return None
+    sizes = f"prefill attn_tp_size={prefill_tp}, decode attn_tp_size={decode_tp}"
+    if not mla:
+        return (f"{sizes}: MHA/GQA K/V is split by head across TP ranks, and pdxfer's SGLang "
+                "backend does not reslice heads (SGLang's per-layer buffers hold each token's "
+                "heads together); run both with the same TP size (mixed TP works for MLA models)")
+    if states:
+        return (f"{sizes}: the model's hybrid state components {states} are split across TP "
+                "ranks, and pdxfer's SGLang backend does not reslice them; run both with the "
+                "same TP size")
+    if prefill_tp % decode_tp:
+        return (f"{sizes}: for MLA pdxfer's SGLang backend needs the prefill's attention TP size "
+                "to be a multiple of the decode's (each decode rank reads one prefill replica; "
+                "one prefill rank serving several decode ranks is not supported); use decode "
+                "attention DP (--enable-dp-attention) or a prefill TP size that is a multiple")
     return None
+
+
+def source_ranks(prefill_tp: int, decode_tp: int, decode_rank: int) -> list[int]:
+    """The prefill TP ranks decode rank `decode_rank` hears from: its replica group, in rank order.
+
+    Equal sizes: rank r alone. MLA at a prefill TP k times the decode's: the
+    k prefill ranks whose replicas are this decode rank's; one of them
+    (`replica_rank`) sends the pages, the others are told there is nothing
+    for them.
+    """
+    k = prefill_tp // decode_tp
+    return list(range(decode_rank * k, (decode_rank + 1) * k))
+
+
+def replica_rank(group: list[int], room: int) -> int:
+    """The prefill rank of `group` that sends `room`'s pages: spread over the group by room."""
+    return group[room % len(group)]
+
+
+def request_id(room: int | None, prefill_rank: int) -> str:
+    """The pdxfer request id of `room`'s transfer from prefill attention TP rank `prefill_rank`.
+
+    Each prefill rank's id is its own, so a decode rank that hears from
+    several prefill ranks (MLA, mixed TP) holds one engine request per rank;
+    both sides compute it from what each knows alone.
+    """
+    return f"{room}#tp{int(prefill_rank)}"
 
 
 # The hybrid state components this backend moves: Mamba/GDN slots, one item per slot
@@ -312,6 +380,8 @@ class PdxferKVManager(BaseKVManager):
         # Requests SGLang forgot (clear()) while pdxfer still held them live: aborted then,
         # released once finished (`reap`), so the engine's table does not grow.
         self._orphans: set[str] = set()
+        # Decode: room -> the engine requests it holds on this rank (`expecting`).
+        self._rooms: dict[Any, list[str]] = {}
         if self.mode == "prefill":
             try:
                 self.register_to_bootstrap()
@@ -398,18 +468,21 @@ class PdxferKVManager(BaseKVManager):
         if status != 200 or not isinstance(info, dict):
             raise TransportError(f"registry answered {status}: {info}")
         refusal = _refusal(info, self)
-        ranks: dict[int, str] = {}
+        prefill_tp = int(info.get("attn_tp_size", 1))
+        # per DP rank: [(prefill TP rank, its pdxfer address)] of this rank's replica group
+        ranks: dict[int, list[tuple[int, str]]] = {}
         if refusal is None:
+            group = source_ranks(prefill_tp, self.attn_tp_size, self.attn_tp_rank)
             for dp in range(int(info.get("dp_size", 1))):
-                status, rank = _http_json("GET", f"{base}?{query.format(dp, 0, self.attn_tp_rank, 0)}", wait)
-                if status != 200 or not isinstance(rank, dict):
-                    raise TransportError(f"registry has no prefill DP {dp} TP {self.attn_tp_rank}: "
-                                         f"{status} {rank}")
-                ranks[dp] = format_address(str(rank["rank_ip"]), int(rank["rank_port"]))
+                ranks[dp] = []
+                for tp in group:
+                    status, rank = _http_json("GET", f"{base}?{query.format(dp, 0, tp, 0)}", wait)
+                    if status != 200 or not isinstance(rank, dict):
+                        raise TransportError(f"registry has no prefill DP {dp} TP {tp}: {status} {rank}")
+                    ranks[dp].append((tp, format_address(str(rank["rank_ip"]), int(rank["rank_port"]))))
         return SimpleNamespace(dp_size=int(info.get("dp_size", 1)),
                                follow_bootstrap_room=bool(info.get("follow_bootstrap_room", True)),
-                               attn_tp_size=int(info.get("attn_tp_size", 1)),
-                               ranks=ranks, refusal=refusal)
+                               attn_tp_size=prefill_tp, ranks=ranks, refusal=refusal)
 
     # -- requests ------------------------------------------------------------------------
     def indices(self, kv: Any, aux: int | None, states: list | None) -> dict[str, Any]:
@@ -422,21 +495,35 @@ class PdxferKVManager(BaseKVManager):
         return pool_indices(out)
 
     # -- decode: SGLang's deferred KV release -------------------------------------------
+    def expecting(self, room: Any, parts: list[str]) -> None:
+        """Note the engine requests `room` holds on this rank (for `is_abort_release_safe`)."""
+        with self._lock:
+            self._rooms[room] = list(parts)
+
+    def forget_room(self, room: Any) -> None:
+        """`room` has nothing left that can land here (finished, or SGLang let go of it)."""
+        with self._lock:
+            self._rooms.pop(room, None)
+
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
         """True once nothing more can land in this rank's pages of `bootstrap_room`.
 
         SGLang holds a failed request's pages (on every TP rank, MAX-reduced)
-        until each rank says so. pdxfer knows it exactly, without acks: the
-        request is finished in the engine (Success, or Failed after a fence
-        or at the end of a quarantine), released, or was never expected here.
+        until each rank says so. pdxfer knows it exactly, without acks: every
+        engine request of the room on this rank (one per prefill rank it
+        hears from) is finished (Success, or Failed after a fence or at the
+        end of a quarantine) or released, or none was ever expected here.
         `required_acks` (SGLang's count of prefill acks) is not needed.
         """
         self.reap()
-        state = self.engine.try_poll(str(bootstrap_room))
-        return state is None or state in (KVPoll.Success, KVPoll.Failed)
+        with self._lock:
+            parts = list(self._rooms.get(bootstrap_room, ()))
+        states = [self.engine.try_poll(rid) for rid in parts]
+        return all(s is None or s in (KVPoll.Success, KVPoll.Failed) for s in states)
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         """SGLang's hook after a held release: pdxfer keeps no ack tracker; the receiver's clear() releases."""
+        self.forget_room(bootstrap_room)
 
     def _ensure_prefill_recompute_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         """The executor SGLang's decode runs its prefill DP-rank lookups on (made on first use)."""
@@ -503,36 +590,96 @@ class PdxferKVManager(BaseKVManager):
 
 
 class _Request:
-    """What a sender and a receiver share: the id, the finished outcome, the safe poll."""
+    """What a sender and a receiver share: the ids, the finished outcome, the safe poll.
+
+    A request is one engine request per prefill rank it involves on this
+    rank (`parts`): one for a sender, and for a receiver one per prefill rank
+    of its replica group (MLA at mixed TP: one that sends the pages, the
+    others told there is nothing for them). `rid` is the part that moves the
+    bytes. SGLang sees one state: the least advanced part's, Failed only once
+    every part is finished (a failed part aborts its siblings first), so no
+    byte lands in a page SGLang has freed.
+    """
 
     def __init__(self, mgr: PdxferKVManager, bootstrap_room: int | None) -> None:
         self.kv_mgr = mgr
         self.bootstrap_room = bootstrap_room
-        self.rid = str(bootstrap_room)
+        self.rid = str(bootstrap_room)  # the sender's own id, a receiver's once its source is known
+        self.parts: list[str] = []  # this rank's engine requests of the room
         self.known = False  # the engine holds a record of it (we sent / expected)
         self.local_failure: str | None = None  # failed before the engine knew it
         self.outcome: RequestOutcome | None = None  # the engine's final word, once released
+        self._ended: dict[str, RequestOutcome] = {}  # parts released from the engine
+        self._siblings_aborted = False
 
     def _fail_locally(self, reason: str) -> None:
         log.warning("pdxfer %s: request %s failed: %s", self.kv_mgr.mode, self.rid, reason)
         self.local_failure = self.local_failure or reason
 
+    def _live(self) -> list[str]:
+        return [rid for rid in self.parts if rid not in self._ended]
+
     def _engine_poll(self) -> KVPoll:
-        """The engine's state, mapped safely; a finished request is released and remembered."""
+        """The engine's state, mapped safely; finished parts are released and remembered."""
         if self.outcome is not None:
             return self.outcome.state
         if self.local_failure is not None and not self.known:
             return KVPoll.Failed
         self.kv_mgr.reap()
         engine = self.kv_mgr.engine
-        state = engine.try_poll(self.rid)
-        if state is not None and state.finished:
-            try:
-                self.outcome = engine.release(self.rid)
-            except UnknownRequestError:  # released in between by another caller: keep the state
-                self.outcome = RequestOutcome(state, None, None, None)
+        live: list[KVPoll | None] = []
+        for rid in self._live():
+            state = engine.try_poll(rid)
+            if state is not None and state.finished:
+                try:
+                    self._ended[rid] = engine.release(rid)
+                except UnknownRequestError:  # released in between by another caller: keep the state
+                    self._ended[rid] = RequestOutcome(state, None, None, None)
+            else:
+                live.append(state)
+        failed = [o for o in self._ended.values() if o.state is KVPoll.Failed]
+        if (failed or KVPoll.Quarantined in live) and len(self.parts) > 1:
+            self._abort_siblings(failed[0].reason if failed else "quarantined")
+        if not live:
+            self.outcome = self._combined()
+            self.kv_mgr.forget_room(self.bootstrap_room)
             return self.outcome.state
-        return engine_poll(state)
+        return min(engine_poll(state) for state in live)
+
+    def _abort_siblings(self, reason: str | None) -> None:
+        """One part failed: the others can only fail the request too; stop them now."""
+        if self._siblings_aborted:
+            return
+        self._siblings_aborted = True
+        for rid in self._live():
+            state = self.kv_mgr.engine.try_poll(rid)
+            if state is not None and not state.finished and state is not KVPoll.Quarantined:
+                try:
+                    self.kv_mgr.engine.abort(rid, f"a sibling transfer of room {self.bootstrap_room} "
+                                                  f"failed: {reason or 'failed'}")
+                except UnknownRequestError:
+                    pass
+
+    def _combined(self) -> RequestOutcome:
+        """Every part's outcome as one: Success if all succeeded, else the first failure's."""
+        outs = [self._ended[rid] for rid in self.parts]
+        main = self._ended.get(self.rid, outs[0])
+        bad = [o for o in outs if o.state is not KVPoll.Success]
+        if not bad:
+            return main
+        first = next((o for o in bad if o is main), bad[0])
+        return RequestOutcome(KVPoll.Failed, first.reason, first.cause, main.stats)
+
+    def _own_failure(self) -> RequestOutcome | None:
+        """The outcome of a part of ours that failed (finished or still draining), if any."""
+        for rid in self.parts:
+            out = self._ended.get(rid)
+            if out is not None and out.state is KVPoll.Failed:
+                return out
+        for rid in self._live():
+            if self.kv_mgr.engine.try_poll(rid) in (KVPoll.Failed, KVPoll.Quarantined):
+                return self.kv_mgr.engine.outcome(rid)
+        return None
 
     def failure_exception(self) -> None:
         """Raise why the request failed: pdxfer's `RequestFailed`, its cause attached.
@@ -543,31 +690,35 @@ class _Request:
         transfer had not failed (it logs those at debug, the failing rank's at
         error).
         """
-        out = self.outcome
-        if out is not None and out.state is KVPoll.Failed:
-            exc = _failed(self.rid, out.reason or "failed", from_another_rank=False)
-            raise exc from out.cause
         if self.local_failure is not None:
             raise _failed(self.rid, self.local_failure, from_another_rank=False)
-        state = self.kv_mgr.engine.try_poll(self.rid) if self.known else None
-        if state is KVPoll.Failed or state is KVPoll.Quarantined:
-            outcome = self.kv_mgr.engine.outcome(self.rid)
-            raise _failed(self.rid, outcome.reason or "failed", from_another_rank=False) from outcome.cause
-        seen = "not started" if state is None else state.name
+        out = self._own_failure() if self.known else None
+        if out is not None:
+            raise _failed(self.rid, out.reason or "failed", from_another_rank=False) from out.cause
+        state = self.kv_mgr.engine.try_poll(self.rid) if self.known and self._live() else None
+        seen = ("not started" if not self.known else self.outcome.state.name if self.outcome
+                else "finished" if state is None else state.name)
         raise _failed(self.rid, f"failed on another {self.kv_mgr.mode} rank (this rank's transfer: "
                                 f"{seen})", from_another_rank=True)
+
+    def _abort_parts(self, reason: str) -> bool:
+        """Abort every unfinished part; False if the engine knew none of them."""
+        told = False
+        for rid in self._live():
+            try:
+                self.kv_mgr.engine.abort(rid, reason)
+                told = True
+            except UnknownRequestError:
+                pass
+        return told
 
     def abort(self) -> None:
         """Give up: Failed once no byte of the request can land any more."""
         if self.outcome is not None:
             return
-        if self.known:
-            try:
-                self.kv_mgr.engine.abort(self.rid, f"{self.kv_mgr.mode} scheduler aborted the request")
-                return
-            except UnknownRequestError:
-                pass
-        self._fail_locally(f"{self.kv_mgr.mode} scheduler aborted the request")
+        why = f"{self.kv_mgr.mode} scheduler aborted the request"
+        if not (self.known and self._abort_parts(why)):
+            self._fail_locally(why)
 
     def clear(self) -> None:
         """Forget the request: a live one is aborted (SGLang gave up on it), a finished one released.
@@ -581,12 +732,11 @@ class _Request:
             return
         state = self._engine_poll()
         if self.outcome is None:
-            try:
-                self.kv_mgr.engine.abort(self.rid, f"{self.kv_mgr.mode} scheduler released the "
-                                                   f"request (state {state.name})")
-            except UnknownRequestError:
-                return
-            self.kv_mgr.orphan(self.rid)
+            self._abort_parts(f"{self.kv_mgr.mode} scheduler released the request (state {state.name})")
+            for rid in self._live():
+                self.kv_mgr.orphan(rid)
+            # SGLang asks nothing more of the room (its deferred release ran before clear())
+            self.kv_mgr.forget_room(self.bootstrap_room)
 
 
 def _failed(rid: str, reason: str, *, from_another_rank: bool) -> RequestFailed:
@@ -601,6 +751,8 @@ class PdxferKVSender(_Request, BaseKVSender):
     def __init__(self, mgr: PdxferKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
         _Request.__init__(self, mgr, bootstrap_room)
+        self.rid = request_id(bootstrap_room, mgr.attn_tp_rank)
+        self.parts = [self.rid]
         self.bootstrap_addr = bootstrap_addr
         self.num_pages: int | None = None
         self.aux_index: int | None = None
@@ -680,17 +832,20 @@ class PdxferKVSender(_Request, BaseKVSender):
         stats = self.outcome.stats if self.outcome is not None else None
         if stats is None:
             return KVTransferMetric()
-        return KVTransferMetric(transfer_latency_s=stats.elapsed_s, transfer_total_bytes=stats.nbytes)
+        # the time on the wire (SGLang divides the bytes by it for its speed), else the whole span
+        return KVTransferMetric(transfer_latency_s=stats.wire_s or stats.elapsed_s,
+                                transfer_total_bytes=stats.nbytes)
 
 
 class PdxferKVReceiver(_Request, BaseKVReceiver):
-    """The decode side of one request: resolve the prefill rank, then expect the pages."""
+    """The decode side of one request: resolve the prefill ranks, then expect the pages."""
 
     def __init__(self, mgr: PdxferKVManager, bootstrap_addr: str,
                  bootstrap_room: int | None = None) -> None:
         _Request.__init__(self, mgr, bootstrap_room)
         self.bootstrap_addr = bootstrap_addr
-        self.prefill_addr: str | None = None
+        self.prefill_addr: str | None = None  # the prefill rank that sends the pages
+        self.sources: list[tuple[str, str]] = []  # (engine request id, prefill address) per rank
         # Read by SGLang's decode queues.
         self.conclude_state: int | None = None
         self.abort_notified = False
@@ -701,35 +856,68 @@ class PdxferKVReceiver(_Request, BaseKVReceiver):
         self.conclude_state = KVPoll.Failed
 
     def init(self, prefill_dp_rank: int) -> None:
-        """Find the prefill rank this decode rank pairs with (from the registry lookup)."""
+        """Find the prefill ranks this decode rank hears from (from the registry lookup)."""
         info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
         if info is None:
             return self._fail_locally(f"no parallel info for prefill at {self.bootstrap_addr}")
         if info.refusal is not None:
             return self._fail_locally(info.refusal)
-        self.prefill_addr = info.ranks.get(int(prefill_dp_rank))
-        if self.prefill_addr is None:
-            self._fail_locally(f"prefill at {self.bootstrap_addr} has no DP rank {prefill_dp_rank}")
+        group = info.ranks.get(int(prefill_dp_rank))
+        if not group:
+            return self._fail_locally(f"prefill at {self.bootstrap_addr} has no DP rank {prefill_dp_rank}")
+        sender = replica_rank([tp for tp, _ in group], int(self.bootstrap_room or 0))
+        self.sources = [(request_id(self.bootstrap_room, tp), addr) for tp, addr in group]
+        self.rid = request_id(self.bootstrap_room, sender)
+        self.prefill_addr = dict(group)[sender]
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None,
                       state_indices: list | None = None, decode_prefix_len: int | None = None,
                       destination: Any = None, **_: Any) -> None:
-        """`DecodeEngine.expect` with the destination pages, aux row and state slots."""
+        """`DecodeEngine.expect` with the destination pages, aux row and state slots.
+
+        A decode radix-cache hit (`decode_prefix_len` tokens, whole pages)
+        holds the first pages already: `kv_indices` are the tail's, and the
+        Expect says so (`offsets`), so the prefill ships the tail only. The
+        other prefill ranks of an MLA replica group are expected too, with
+        nothing to send: every entry they would send is skipped, and their
+        senders finish once their (empty) last chunk is confirmed.
+        """
         if self.local_failure is not None or self.prefill_addr is None:
             return
-        if decode_prefix_len:
+        page = int(self.kv_mgr.kv_args.page_size)
+        prefix = int(decode_prefix_len or 0)
+        if prefix % page:
             return self._fail_locally(
-                f"decode_prefix_len={decode_prefix_len}: pdxfer's SGLang backend does not resume "
-                "from a decode radix-cache prefix; run decode without "
-                "--disaggregation-decode-enable-radix-cache")
+                f"decode_prefix_len={prefix} is not a whole number of pages (page_size={page}): "
+                "pdxfer ships whole pages; SGLang's radix cache matches whole pages, so this is "
+                "a decode bug to report")
         if destination is not None and getattr(destination, "value", destination) != "device":
             return self._fail_locally(f"destination {destination}: pdxfer writes device pools only")
+        indices = self.kv_mgr.indices(kv_indices, aux_index, state_indices)
+        if prefix:
+            indices.setdefault("kv", np.empty(0, np.int64))  # a hit up to the last page: no tail
+        held = {"kv": prefix // page} if prefix else {}
+        # what an idle prefill rank sends and skips: every entry of every pool
+        total = {pool: len(idx) + held.get(pool, 0) for pool, idx in indices.items()}
+        engine, parts = self.kv_mgr.engine, []
+        self.kv_mgr.expecting(self.bootstrap_room, [rid for rid, _ in self.sources])
         try:
-            self.kv_mgr.engine.expect(self.rid, self.prefill_addr,
-                                      self.kv_mgr.indices(kv_indices, aux_index, state_indices))
-            self.known = True
+            for rid, addr in self.sources:
+                if rid == self.rid:
+                    engine.expect(rid, addr, indices, offsets=held or None)
+                else:
+                    engine.expect(rid, addr, {p: np.empty(0, np.int64) for p in total},
+                                  offsets=total)
+                parts.append(rid)
         except PdxferError as exc:
             self._fail_locally(f"expect refused: {exc}")
+            # the parts already expected can only fail now: aborted, released once finished
+            for rid in parts:
+                engine.abort(rid, f"a sibling expect was refused: {exc}")
+                self.kv_mgr.orphan(rid)
+            self.kv_mgr.forget_room(self.bootstrap_room)
+            return
+        self.parts, self.known = parts, True
 
     def poll(self) -> KVPoll:
         """WaitingForInput once the prefill rank is known; then the engine's state, safely mapped."""
@@ -749,25 +937,26 @@ class PdxferKVReceiver(_Request, BaseKVReceiver):
         SGLang calls it on every rank of a request that failed anywhere (its
         polls are MIN-reduced), then holds the pages on every rank until each
         rank's manager says `is_abort_release_safe`. Here that is: abort the
-        pdxfer request if it is still live (the prefill hears at once), and
-        set `abort_notified`, which makes SGLang hold (the hold is released as
+        pdxfer requests still live (their prefills hear at once), and set
+        `abort_notified`, which makes SGLang hold (the hold is released as
         soon as pdxfer says nothing more can land, often on the next turn).
         """
         if self.known and self.outcome is None:
-            state = self.kv_mgr.engine.try_poll(self.rid)
-            if state is not None and not state.finished and state is not KVPoll.Quarantined:
-                try:
-                    self.kv_mgr.engine.abort(self.rid, f"{self.kv_mgr.mode} scheduler aborted the "
-                                                       "request (it failed on this or another rank)")
-                except UnknownRequestError:
-                    pass
+            for rid in self._live():
+                state = self.kv_mgr.engine.try_poll(rid)
+                if state is not None and not state.finished and state is not KVPoll.Quarantined:
+                    try:
+                        self.kv_mgr.engine.abort(rid, f"{self.kv_mgr.mode} scheduler aborted the "
+                                                      "request (it failed on this or another rank)")
+                    except UnknownRequestError:
+                        pass
         if self.kv_mgr.enable_deferred_decode_kv_release:
             self.abort_notified = True
 
     @property
     def bootstrap_infos(self) -> list[str]:
         """The prefill ranks this receiver reads from (SGLang counts them for its ack hold)."""
-        return [self.prefill_addr] if self.prefill_addr is not None else []
+        return [addr for _, addr in self.sources]
 
 
 class PdxferKVBootstrapServer(CommonKVBootstrapServer):

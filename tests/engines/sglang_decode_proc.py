@@ -31,6 +31,8 @@ import time
 import sglang_harness as H
 import torch
 
+from pdxfer.integrations.sglang import request_id
+
 CANARY = 77.0
 DEADLINE_S = 60.0
 
@@ -79,7 +81,7 @@ def main() -> int:
             engine, at_release = dec.prealloc.kv_manager.engine, []
 
             def freed(r, dec=dec, engine=engine, dst=dst, at_release=at_release):
-                state = engine.try_poll(str(r.bootstrap_room))
+                state = engine.try_poll(request_id(r.bootstrap_room, rank))
                 at_release.append(None if state is None else state.name)
                 for t in H.buffers(dec.pool):
                     t.view(-1, H.PAGE, *t.shape[1:])[torch.as_tensor(dst)] = CANARY
@@ -87,7 +89,7 @@ def main() -> int:
             releases, deadline, told = 0, time.monotonic() + DEADLINE_S, False
             while req in [d.req for d in dec.transfer.queue] or dec.busy():
                 assert time.monotonic() < deadline, "transfer queue"
-                if not told and str(room) in engine.quarantined():
+                if not told and request_id(room, rank) in engine.quarantined():
                     told = True  # the test may now let the prefill go (kill it)
                     emit(phase="quarantined", room=room)
                 _, release = dec.transferred(on_release=freed)

@@ -3,7 +3,7 @@
 What the SGLang tests' two processes share. Real (SGLang 0.5.23, imported):
 plugin loading (`load_plugins` runs pdxfer's entry point) and flag parsing
 (`prepare_server_args`), the runtime context a scheduler process publishes,
-the CPU KV pools (`MHATokenToKVPool`, `HybridLinearKVPool` over a real
+the CPU KV pools (`MHATokenToKVPool`, `MLATokenToKVPool`, `HybridLinearKVPool` over a real
 `MambaPool`), `MetadataBuffers` and its allocator, `Req`, the queues'
 `_init_kv_manager` (so `KVArgs`, `setup_state_kv_args` and the manager
 construction are SGLang's), `PrefillBootstrapQueue`, the prefill mixin's
@@ -35,7 +35,12 @@ from sglang.srt.disaggregation import prefill as P
 from sglang.srt.disaggregation import utils as U
 from sglang.srt.environ import envs
 from sglang.srt.managers.schedule_batch import Req
-from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool, MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import (
+    HybridLinearKVPool,
+    MambaPool,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+)
 from sglang.srt.plugins import load_plugins
 from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -45,6 +50,7 @@ PAGE, LAYERS, HEADS, DIM = 16, 4, 2, 32
 # 96 pages, 80 request rows and metadata rows: room for the 64-room queue test.
 SIZE, SLOTS, META_ROWS, ROWS = 96 * PAGE, 8, 80, 80
 FULL_LAYERS = [0, 2]  # the hybrid model's attention layers; 1 and 3 are Mamba
+KV_LORA_RANK, ROPE_DIM = 64, 16  # the MLA model's latent cache: one [tokens, 1, 80] buffer a layer
 
 
 def start(mode: str, bootstrap_port: int, tp: int = 1, *, rank: int = 0, world: int = 1,
@@ -73,9 +79,13 @@ def as_rank(rank: int, dp_rank: int | None = None) -> None:
     get_parallel().override_permanently(tp_rank=rank, attn_tp_rank=rank, **extra)
 
 
-def kv_pool(hybrid: bool, dim: int = DIM, seed: int = 0):
-    """A real CPU KV pool, seeded: MHA, or MHA layers plus a Mamba pool."""
-    if hybrid:
+def kv_pool(hybrid: bool, dim: int = DIM, seed: int = 0, mla: bool = False):
+    """A real CPU KV pool, seeded: MHA, MHA layers plus a Mamba pool, or MLA."""
+    if mla:
+        pool = MLATokenToKVPool(size=SIZE, page_size=PAGE, dtype=torch.bfloat16,
+                                kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM,
+                                layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    elif hybrid:
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
         shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=128, n_groups=1,
                                         num_heads=4, head_dim=32, state_size=16, conv_kernel=4)
@@ -94,10 +104,17 @@ def kv_pool(hybrid: bool, dim: int = DIM, seed: int = 0):
     return pool
 
 
+def kv_buffers(pool) -> list[torch.Tensor]:
+    """The pool's paged tensors: K and V per attention layer, or MLA's latent cache per layer."""
+    if isinstance(pool, MLATokenToKVPool):
+        return list(pool.kv_buffer)
+    kv = pool.full_kv_pool if isinstance(pool, HybridLinearKVPool) else pool
+    return list(kv.k_buffer) + list(kv.v_buffer)
+
+
 def buffers(pool) -> list[torch.Tensor]:
     """Every tensor of the pool a transfer writes: K and V per layer, then Mamba states."""
-    kv = pool.full_kv_pool if isinstance(pool, HybridLinearKVPool) else pool
-    out = list(kv.k_buffer) + list(kv.v_buffer)
+    out = kv_buffers(pool)
     if isinstance(pool, HybridLinearKVPool):
         cache = pool.mamba_pool.mamba_cache
         out += [cache.conv[0], cache.temporal]  # [layers, slots, ...] each
@@ -106,9 +123,8 @@ def buffers(pool) -> list[torch.Tensor]:
 
 def page_crc(pool, pages: list[int], slot: int | None) -> int:
     """crc32 of the pages of every K/V layer, then of the Mamba slot of every state tensor."""
-    kv = pool.full_kv_pool if isinstance(pool, HybridLinearKVPool) else pool
     crc, idx = 0, torch.as_tensor(pages)
-    for t in list(kv.k_buffer) + list(kv.v_buffer):
+    for t in kv_buffers(pool):
         crc = zlib.crc32(t.view(-1, PAGE, *t.shape[1:])[idx].contiguous().view(torch.uint8).numpy(), crc)
     if slot is not None:
         cache = pool.mamba_pool.mamba_cache
@@ -140,8 +156,8 @@ def token_pool(hybrid: bool) -> SimpleNamespace:
 class Prefill:
     """One prefill rank: SGLang's bootstrap queue and inflight queue over a pdxfer manager."""
 
-    def __init__(self, server_args, hybrid: bool, seed: int) -> None:
-        self.pool, (self.mb, self.alloc) = kv_pool(hybrid, seed=seed), metadata()
+    def __init__(self, server_args, hybrid: bool, seed: int, mla: bool = False) -> None:
+        self.pool, (self.mb, self.alloc) = kv_pool(hybrid, seed=seed, mla=mla), metadata()
         self.hybrid, self.tokens = hybrid, token_pool(hybrid)
         G = dist.group.WORLD
         self.sched = SimpleNamespace(
@@ -160,7 +176,8 @@ class Prefill:
                           scheduler=self.sched, transfer_backend=U.TransferBackend("pdxfer"),
                           bootstrap_port=server_args.disaggregation_bootstrap_port,
                           token_to_kv_pool=self.pool, draft_token_to_kv_pool=None,
-                          is_mla_backend=False, metadata_buffers=self.mb, max_input_len=4096,
+                          is_mla_backend=U.is_mla_backend(self.pool), metadata_buffers=self.mb,
+                          max_input_len=4096,
                           scheduler_stage_metrics=None, req_to_metadata_buffer_idx_allocator=self.alloc,
                           pp_poll_sync_work_list=[])
         q.kv_manager = q._init_kv_manager()  # real: KVArgs, state components, our manager
@@ -190,8 +207,8 @@ class Prefill:
 class Decode:
     """One decode rank: SGLang's prealloc queue and transfer queue over a pdxfer manager."""
 
-    def __init__(self, server_args, hybrid: bool, dim: int = DIM) -> None:
-        self.pool, (self.mb, self.alloc) = kv_pool(hybrid, dim=dim, seed=99), metadata()
+    def __init__(self, server_args, hybrid: bool, dim: int = DIM, mla: bool = False) -> None:
+        self.pool, (self.mb, self.alloc) = kv_pool(hybrid, dim=dim, seed=99, mla=mla), metadata()
         self.hybrid, self.tokens = hybrid, token_pool(hybrid)
         G = dist.group.WORLD
         self.sched = SimpleNamespace(
@@ -208,7 +225,8 @@ class Decode:
                            _ensure_retry_interval=0.0, _max_ensure_retries=1000,
                            _num_published_destinations=0, req_to_metadata_buffer_idx_allocator=self.alloc,
                            token_to_kv_pool=self.pool, draft_token_to_kv_pool=None,
-                           metadata_buffers=self.mb, is_mla_backend=False, enable_staging=False,
+                           metadata_buffers=self.mb, is_mla_backend=U.is_mla_backend(self.pool),
+                           enable_staging=False,
                            req_to_token_pool=self.tokens, tree_cache=MagicMock(),
                            transfer_queue=SimpleNamespace(enable_staging=False))
         pq._check_if_req_exceed_kv_capacity = lambda req: False  # reads the token pools: simulated
@@ -233,12 +251,17 @@ class Decode:
         pq._update_handshake_waiters()
         return next(d for d in pq.queue if d.req is req)
 
-    def allocate(self, dreq, pages: list[int], slot: int | None) -> None:
-        """Allocation simulated (fixed pages, Mamba slot), then the real `_send_kv_metadata`."""
-        n = len(dreq.req.origin_input_ids)
+    def allocate(self, dreq, pages: list[int], slot: int | None, prefix_pages: int = 0) -> None:
+        """Allocation simulated (fixed pages, Mamba slot), then the real `_send_kv_metadata`.
+
+        `prefix_pages`: a decode radix-cache hit on the prompt's first pages;
+        `pages` are then the tail's, as `_pre_alloc` allocates them.
+        """
+        n = len(dreq.req.origin_input_ids) - prefix_pages * PAGE
         tokens = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])[:n]
         states = [[self.tokens.req_index_to_mamba_index_mapping[slot].reshape(1).numpy()]] if self.hybrid else None
-        self.prealloc._send_kv_metadata(dreq, tokens, PAGE, states, decode_prefix_len=0)
+        self.prealloc._send_kv_metadata(dreq, tokens, PAGE, states,
+                                        decode_prefix_len=prefix_pages * PAGE)
         self.prealloc.queue.remove(dreq)
         self.transfer.queue.append(dreq)
 

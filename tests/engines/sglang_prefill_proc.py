@@ -1,21 +1,23 @@
 """An SGLang prefill worker in its own process, scripted over stdin: SGLang's queues, pdxfer below.
 
-`python sglang_prefill_proc.py BOOTSTRAP_PORT HYBRID TP [RANKS [SERVER [DP [FLAGS]]]]` starts
+`python sglang_prefill_proc.py BOOTSTRAP_PORT KIND TP [RANKS [SERVER [DP [FLAGS]]]]` starts
 SGLang's bootstrap server (the pdxfer backend's, i.e. SGLang's own registry;
 unless SERVER is 0: then its ranks register with another process's) and the
 prefill ranks RANKS (comma-separated, default all TP; each its own pdxfer
 manager over its own seeded pools; see `sglang_harness` for what is real and
 what is simulated; DP > 1: that many DP ranks of them, `round_robin`; FLAGS:
 a JSON list of more SGLang flags), prints `{"ready": true}`, then serves one
-JSON request per line (`"dp"` picks the DP rank):
+JSON request per line (`"dp"` picks the DP rank; KIND is 0 (MHA), 1 (MHA + Mamba) or mla):
 
-    {"rank", "room", "n", "src": [pages], "slot", "ends": [token ends], "token", "mode"}
+    {"rank" or "ranks": [...], "room", "n", "src": [pages], "slot", "ends": [token ends], "token", "mode"}
 
-It adds the request to the rank's `PrefillBootstrapQueue`, polls
+It adds the request to each rank's `PrefillBootstrapQueue` (`ranks`: the TP
+ranks of one group, stepped together), polls
 `pop_bootstrapped` until the decode's metadata arrived, runs one simulated
 forward per entry of `ends` (the last is the last chunk) through the real
 `_send_kv_chunk`, and polls the inflight queue until SGLang finishes the
-request, printing `{"room", "finished", "message", "crc"}`. Modes: `normal`;
+request, printing per rank `{"room", "rank", "finished", "message", "crc", "page_crcs",
+"nbytes"}` (the bytes its sender moved). Modes: `normal`;
 `step` (prints `{"phase": "sent-first", "nbytes"}` (bytes posted) after the first chunk and waits for
 a `go` line); `hold` (prints `{"phase": "bootstrapped"}` and waits for `go`
 before any chunk); `corrupt` (the aux row's room is overwritten after SGLang
@@ -54,46 +56,88 @@ def until(fn):
     return out
 
 
-def serve(prefill: H.Prefill, cmd: dict, port: int) -> None:
+def serve(prefills: dict[int, H.Prefill], cmd: dict, port: int) -> None:
+    """One request on each of `prefills` (TP rank -> rank), stepped together as a TP group is."""
     room, n, src, slot = cmd["room"], cmd["n"], cmd["src"], cmd.get("slot")
-    req = H.request(room, n, port)
-    q = prefill.queue
-    q.add(req, num_kv_heads=H.HEADS)
-    until(lambda: req in q.pop_bootstrapped() or req.finished())
-    if req.finished():  # bootstrap failed: SGLang already aborted and streamed it
-        return emit(room=room, finished=type(req.finished_reason).__name__,
-                    message=req.finished_reason.message, crc=None)
+    reqs = {rank: H.request(room, n, port) for rank in prefills}
+
+    def be(rank: int) -> None:
+        H.as_rank(rank, dp_rank=cmd.get("dp", 0) if cmd["dp_size"] > 1 else None)
+
+    def each(fn) -> None:
+        for rank, prefill in prefills.items():
+            be(rank)
+            fn(rank, prefill, reqs[rank])
+
+    each(lambda rank, prefill, req: prefill.queue.add(req, num_kv_heads=H.HEADS))
+    pending = dict(prefills)
+    deadline = time.monotonic() + DEADLINE_S
+    while pending:
+        if time.monotonic() > deadline:
+            raise SystemExit("prefill harness: gave up waiting")
+        for rank in list(pending):
+            be(rank)
+            q, req = pending[rank].queue, reqs[rank]
+            if req in q.pop_bootstrapped() or req.finished():
+                del pending[rank]
+        time.sleep(0.005)
+    senders = {rank: req.disagg_kv_sender for rank, req in reqs.items()}
+    failed = {rank: req for rank, req in reqs.items() if req.finished()}
+    for rank, req in failed.items():  # bootstrap failed: SGLang already aborted and streamed it
+        emit(room=room, rank=rank, finished=type(req.finished_reason).__name__,
+             message=req.finished_reason.message, crc=None)
+    prefills = {rank: p for rank, p in prefills.items() if rank not in failed}
+    if not prefills:
+        return
     if cmd["mode"] == "hold":
         emit(room=room, phase="bootstrapped")
         assert sys.stdin.readline().strip() == "go"
     row = room % H.ROWS  # the request's row in the token and Mamba maps (allocation simulated)
-    req.kv.req_pool_idx = row
     tokens = torch.cat([torch.arange(p * H.PAGE, (p + 1) * H.PAGE) for p in src])[:n]
-    prefill.tokens.req_to_token[row, :n] = tokens.to(torch.int32)
-    if slot is not None:
-        prefill.tokens.req_index_to_mamba_index_mapping[row] = slot
-    req.output_ids = [cmd["token"]]  # the forward pass, simulated: its first sampled token
-    if cmd["mode"] == "corrupt":
-        mb, set_buf = prefill.mb, prefill.mb.set_buf
 
-        def corrupted(r):
-            set_buf(r)
-            mb.bootstrap_room[r.metadata_buffer_index, 0] = r.bootstrap_room + 1
+    def forward(rank, prefill, req) -> None:
+        req.kv.req_pool_idx = row
+        prefill.tokens.req_to_token[row, :n] = tokens.to(torch.int32)
+        if slot is not None:
+            prefill.tokens.req_index_to_mamba_index_mapping[row] = slot
+        req.output_ids = [cmd["token"]]  # the forward pass, simulated: its first sampled token
+        if cmd["mode"] == "corrupt":
+            mb, set_buf = prefill.mb, prefill.mb.set_buf
 
-        mb.set_buf = corrupted
+            def corrupted(r, mb=mb, set_buf=set_buf):
+                set_buf(r)
+                mb.bootstrap_room[r.metadata_buffer_index, 0] = r.bootstrap_room + 1
+
+            mb.set_buf = corrupted
+
+    each(forward)
     ends = cmd["ends"]
     for i, end in enumerate(ends):
-        prefill.send_chunk(req, end, last=i == len(ends) - 1)
+        last = i == len(ends) - 1
+        each(lambda rank, prefill, req, end=end, last=last: prefill.send_chunk(req, end, last=last))
         if i == 0 and cmd["mode"] in ("step", "die"):
-            posted = prefill.queue.kv_manager.engine.stats(str(room)).nbytes  # counted at post
-            emit(room=room, phase="sent-first", nbytes=posted)
+            for rank in prefills:
+                posted = senders[rank].kv_mgr.engine.stats(senders[rank].rid).nbytes  # counted at post
+                emit(room=room, phase="sent-first", nbytes=posted)
             assert sys.stdin.readline().strip() == "go"  # `die`: stopped, then killed, here
     if cmd["mode"] == "corrupt":
-        prefill.mb.set_buf = set_buf
-    until(lambda: req in prefill.inflight())
-    reason = req.finished_reason
-    emit(room=room, finished=type(reason).__name__, message=getattr(reason, "message", None),
-         crc=H.page_crc(prefill.pool, src, slot))
+        for prefill in prefills.values():
+            del prefill.mb.set_buf  # the instance attribute: the class's own again
+    pending, deadline = dict(prefills), time.monotonic() + DEADLINE_S
+    while pending:
+        if time.monotonic() > deadline:
+            raise SystemExit("prefill harness: gave up waiting for the inflight queue")
+        for rank in list(pending):
+            be(rank)
+            if reqs[rank] in pending[rank].inflight():
+                del pending[rank]
+        time.sleep(0.005)
+    for rank, prefill in prefills.items():
+        reason = reqs[rank].finished_reason
+        emit(room=room, rank=rank, finished=type(reason).__name__,
+             message=getattr(reason, "message", None), crc=H.page_crc(prefill.pool, src, slot),
+             page_crcs=[H.page_crc(prefill.pool, [page], None) for page in src],
+             nbytes=senders[rank].get_transfer_metric().transfer_total_bytes)
 
 
 def serve_batch(prefill: H.Prefill, cmds: list[dict], port: int) -> None:
@@ -136,7 +180,7 @@ def serve_batch(prefill: H.Prefill, cmds: list[dict], port: int) -> None:
 
 
 def main() -> int:
-    port, hybrid, tp = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
+    port, hybrid, mla, tp = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[2] == "mla", int(sys.argv[3])
     hosted = [int(r) for r in sys.argv[4].split(",")] if len(sys.argv) > 4 else list(range(tp))
     dp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     # DP > 1: SGLang's system data parallel with the load balancer people set for PD
@@ -150,18 +194,21 @@ def main() -> int:
     for d in range(dp):
         for rank in hosted:
             H.as_rank(rank, dp_rank=d if dp > 1 else None)
-            ranks[d, rank] = H.Prefill(server_args, hybrid, seed=10 + rank + 100 * d)
+            # MLA's latent cache is replicated over the TP ranks: the same bytes on each
+            seed = 10 + 100 * d + (0 if mla else rank)
+            ranks[d, rank] = H.Prefill(server_args, hybrid, seed=seed, mla=mla)
     emit(ready=True)
     for line in sys.stdin:
         if line.strip():
             cmd = json.loads(line)
             one = cmd["batch"][0] if "batch" in cmd else cmd
             d = one.get("dp", 0)
-            H.as_rank(one["rank"], dp_rank=d if dp > 1 else None)
+            H.as_rank(one.get("rank", 0), dp_rank=d if dp > 1 else None)
             if "batch" in cmd:
                 serve_batch(ranks[d, one["rank"]], cmd["batch"], port)
             else:
-                serve(ranks[d, one["rank"]], cmd, port)
+                group = cmd.get("ranks", [cmd.get("rank", 0)])
+                serve({r: ranks[d, r] for r in group}, {**cmd, "dp_size": dp}, port)
     for p in ranks.values():
         p.queue.kv_manager.close()
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -14,9 +15,22 @@ ROOT = HERE.parents[1]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port for a bootstrap server, free now, below the kernel's ephemeral range.
+
+    Not port 0's answer: that is an ephemeral port, which every engine's own
+    port-0 bind (pdxfer's control and data listeners, in five processes
+    starting at once) may take before the server binds it.
+    """
+    lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host} below {lo}")
 
 
 class Proc:
@@ -54,9 +68,11 @@ class Proc:
 
 
 class PrefillProc(Proc):
-    """One prefill process (`sglang_prefill_proc.py`): TP ranks `ranks`, its own registry or `port`'s."""
+    """One prefill process (`sglang_prefill_proc.py`): TP ranks `ranks` (MHA, hybrid or MLA), its
+    own registry or `port`'s."""
 
-    def __init__(self, hybrid: bool = False, *, tp: int = 2, ranks: list[int] | None = None,
+    def __init__(self, hybrid: bool = False, *, mla: bool = False, tp: int = 2,
+                 ranks: list[int] | None = None,
                  port: int | None = None, config: dict | None = None, dp: int = 1,
                  flags: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
@@ -64,6 +80,6 @@ class PrefillProc(Proc):
         cfg = cfg if config is None else {"transport": "tcp", "host": "127.0.0.1", **config}
         hosted = ranks if ranks is not None else list(range(tp))
         super().__init__("sglang_prefill_proc.py",
-                         [str(self.port), "1" if hybrid else "0", str(tp),
+                         [str(self.port), "mla" if mla else "1" if hybrid else "0", str(tp),
                           ",".join(map(str, hosted)), "0" if port else "1", str(dp),
                           json.dumps(list(flags))], cfg)

@@ -7,10 +7,11 @@ loading, flag parsing, pools, metadata buffers, KVArgs construction, queues
 and poll all-reduce are its own; the scheduler object, the forward pass,
 token allocation and the tree cache are simulated.
 
-Three prefill processes, each TP=2 behind its own SGLang bootstrap server:
-`mha` (MHA pools), `hybrid` (MHA + Mamba pools) and `doomed` (MHA; frozen
-and killed by the fence test). Every wait is a bounded poll of SGLang's
-queues, as its scheduler loop polls them.
+Five prefill processes, each TP=2 behind its own SGLang bootstrap server:
+`mha` (MHA pools), `hybrid` (MHA + Mamba pools), `doomed` (MHA; frozen
+and killed by the fence test), `dp2` (two DP ranks under `round_robin`) and
+`mla` (MLA pools, replicated over its TP ranks). Every wait is a bounded
+poll of SGLang's queues, as its scheduler loop polls them.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from sglang.srt.disaggregation import base
 from sglang.srt.disaggregation import decode as D
 from sglang.srt.disaggregation import prefill as P
 from sglang.srt.disaggregation import utils as U
+from sglang.srt.runtime_context import get_parallel
 from sglang_procs import PrefillProc, free_port
 
 from pdxfer import KVPoll
 from pdxfer.integrations import sglang as plugin
 
 FIRST_TOKEN = 4242
-# The module fixture starts four prefill processes that import SGLang in parallel: 60 s on an
+# The module fixture starts five prefill processes that import SGLang in parallel: 60 s on an
 # idle 2-core machine, up to 250 s measured with other suites running; the first test's
 # setup carries that.
 pytestmark = pytest.mark.timeout(480)
@@ -46,6 +48,7 @@ _port = free_port
 @pytest.fixture(scope="module")
 def procs():
     started = {"mha": PrefillProc(False), "hybrid": PrefillProc(True), "doomed": PrefillProc(False),
+               "mla": PrefillProc(mla=True),  # TP 2, both ranks in one process
                # prefill DP 2 under round_robin: each room's DP rank comes from the registry;
                # pdxfer's defaults (liveness 10 s): the request wait is SGLang's (300 s)
                "dp2": PrefillProc(dp=2, config={})}
@@ -67,12 +70,19 @@ _decodes: dict = {}
 
 
 def decode(server_args, key: str, rank: int = 0, hybrid: bool = False, dim: int = H.DIM,
-           **config) -> H.Decode:
-    """A decode rank's queues over a pdxfer manager configured by `PDXFER_CONFIG`, built once."""
+           mla: bool = False, attn_tp: int = 2, **config) -> H.Decode:
+    """A decode rank's queues over a pdxfer manager configured by `PDXFER_CONFIG`, built once.
+
+    `attn_tp=1`: the rank of a decode running DP attention (TP 2 as two
+    attention-DP ranks of TP 1 each), the DeepSeek-class decode shape.
+    """
     if key not in _decodes:
         H.pdxfer_env(**{"timeout": 2.0, **config})
         H.as_rank(rank)
-        _decodes[key] = H.Decode(server_args, hybrid, dim)
+        shape = {} if attn_tp == 2 else dict(attn_tp_size=1, attn_tp_rank=0, attn_dp_size=2,
+                                             attn_dp_rank=rank)
+        with get_parallel().override(**shape):
+            _decodes[key] = H.Decode(server_args, hybrid, dim, mla=mla)
     H.as_rank(rank)
     return _decodes[key]
 
@@ -196,6 +206,86 @@ def test_a_zero_page_last_chunk_still_ships_aux_and_state(server_args, procs) ->
     assert H.page_crc(dec.pool, [12, 13], 6) == done["crc"]
 
 
+def test_mla_prefill_tp2_to_decode_tp1_reads_one_replica_from_one_rank(server_args, procs) -> None:
+    # decode at attention TP 1 (DP attention), prefill at TP 2: the decode rank reads one
+    # prefill replica whole; the other prefill rank is expected with nothing to send
+    mla, dec = procs["mla"], decode(server_args, "mla-tp1", mla=True, attn_tp=1)
+    page_bytes = sum(t[:H.PAGE].nbytes for t in H.buffers(dec.pool))
+    for room, dst in ((8000, [40, 41, 42]), (8001, [43, 44, 45])):  # by room: rank 0, then 1
+        sender = plugin.replica_rank([0, 1], room)
+        assert sender == room % 2
+        mla.write(ranks=[0, 1], room=room, n=40, src=[2, 11, 5], ends=[20, 40], token=FIRST_TOKEN,
+                  mode="normal")
+        req = H.request(room, 40, mla.port)
+        dreq = dec.admit(req)
+        until(lambda d=dreq: d.waiting_for_input or d.req.finished(), "the decode's handshakes")
+        assert dreq.kv_receiver.bootstrap_infos == [a for _, a in dec.prealloc.kv_manager
+                                                    .prefill_info_table[f"127.0.0.1:{mla.port}"]
+                                                    .ranks[0]]  # both prefill ranks, in order
+        dec.allocate(dreq, dst, None)
+        finish(dec, req)
+        done = {ev["rank"]: ev for ev in (mla.read(), mla.read())}
+        assert [done[r]["finished"] for r in (0, 1)] == ["FINISH_LENGTH"] * 2, done
+        assert req.finished_reason is None and list(req.output_ids) == [FIRST_TOKEN]
+        assert done[0]["crc"] == done[1]["crc"]  # replicated: the same latent cache on each rank
+        assert H.page_crc(dec.pool, dst, None) == done[sender]["crc"]  # identical bytes
+        # MLA moved once, from one rank: the other shipped nothing (3 pages + the aux row)
+        assert done[1 - sender]["nbytes"] == 0, done
+        assert done[sender]["nbytes"] > 3 * page_bytes, done
+
+
+def test_mla_at_equal_tp_pairs_rank_r_with_rank_r(server_args, procs) -> None:
+    mla = procs["mla"]
+    for rank, room, dst in ((0, 8100, [46, 47, 48]), (1, 8101, [49, 50, 51])):
+        dec = decode(server_args, f"mla{rank}", rank, mla=True)
+        req, dreq = transfer(dec, mla, room=room, n=40, dst=dst, src=[2, 11, 5], ends=[20, 40],
+                             rank=rank)
+        assert [rid for rid, _ in dreq.kv_receiver.sources] == [plugin.request_id(room, rank)]
+        finish(dec, req)
+        done = mla.read()
+        assert (done["rank"], done["finished"]) == (rank, "FINISH_LENGTH"), done
+        assert H.page_crc(dec.pool, dst, None) == done["crc"]
+
+
+def test_mixed_tp_for_mha_is_refused_with_the_reason(server_args, procs) -> None:
+    dec = decode(server_args, "mha-tp1", attn_tp=1)
+    req = H.request(1006, 40, procs["mha"].port)
+    dec.admit(req)
+    until(req.finished, "the refusal")
+    msg = req.finished_reason.message
+    assert "prefill attn_tp_size=2, decode attn_tp_size=1: MHA/GQA K/V is split by head" in msg, msg
+    assert "mixed TP works for MLA models" in msg
+    assert dec.prealloc.kv_manager.engine.try_poll(plugin.request_id(1006, 0)) is None  # no Expect
+    refusal = plugin.mixed_tp_refusal
+    assert "multiple of the decode's" in refusal(2, 4, mla=True, states=[])
+    assert "multiple of the decode's" in refusal(3, 2, mla=True, states=[])
+    assert "['state.mamba'] are split across TP" in refusal(2, 1, mla=True, states=["state.mamba"])
+    assert refusal(8, 1, mla=True, states=[]) is None and refusal(2, 2, mla=False, states=[]) is None
+
+
+def test_a_decode_prefix_hit_ships_only_the_tail(server_args, procs) -> None:
+    # SGLang's decode radix cache holds the prompt's first two pages (its own pages 70, 71):
+    # the decode allocates the tail only, and the prefill ships only that
+    dec, mha = decode(server_args, "mha0"), procs["mha"]
+    prefix, tail = [70, 71], [72]
+    before = H.page_crc(dec.pool, prefix, None)
+    one_page = sum(t[:H.PAGE].nbytes for t in H.buffers(dec.pool))
+    req = H.request(1007, 40, mha.port)
+    mha.write(rank=0, room=1007, n=40, src=[2, 11, 5], ends=[20, 40], token=FIRST_TOKEN,
+              mode="normal")
+    dreq = dec.admit(req)
+    until(lambda: dreq.waiting_for_input or req.finished(), "the decode's handshake")
+    dec.allocate(dreq, tail, None, prefix_pages=2)
+    finish(dec, req)
+    done = mha.read()
+    assert done["finished"] == "FINISH_LENGTH" and req.finished_reason is None, done
+    assert list(req.output_ids) == [FIRST_TOKEN]
+    assert H.page_crc(dec.pool, tail, None) == done["page_crcs"][2]  # the tail's bytes
+    assert H.page_crc(dec.pool, prefix, None) == before  # the held prefix pages: untouched
+    aux_row = done["nbytes"] - one_page
+    assert 0 < aux_row < one_page, done  # one page and the aux row on the wire, not three pages
+
+
 def test_decode_abort_before_send_fails_both_sides_and_writes_nothing(server_args, procs) -> None:
     dec, mha = decode(server_args, "mha0"), procs["mha"]
     before = H.page_crc(dec.pool, [20, 21, 22], None)
@@ -248,7 +338,7 @@ def test_prefill_death_without_a_fence_never_reads_failed_before_it_is_safe(serv
     poll = receiver.poll
 
     def watched():
-        state = engine.try_poll(str(room))
+        state = engine.try_poll(plugin.request_id(room, 0))
         out = poll()
         seen.append((state, out))
         return out
@@ -426,7 +516,7 @@ def test_release_memory_occupation_of_moving_pools_is_refused(server_args) -> No
 def test_the_early_send_event_orders_the_chunk_it_belongs_to() -> None:
     sent = []
     engine = SimpleNamespace(send=lambda rid, idx, **kw: sent.append(kw), try_poll=lambda rid: None)
-    mgr = SimpleNamespace(mode="prefill", engine=engine, register_room=lambda room: None,
+    mgr = SimpleNamespace(mode="prefill", engine=engine, register_room=lambda room: None, attn_tp_rank=0,
                           indices=lambda kv, aux, st: {"kv": kv})
     sender = plugin.PdxferKVSender(mgr, "127.0.0.1:1", 9, req_has_disagg_prefill_dp_rank=True)
     sender.init(3, aux_index=0)

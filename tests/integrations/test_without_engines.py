@@ -74,26 +74,37 @@ def test_group_pools_make_one_pool_per_group_with_fields_by_shape() -> None:
 # -- SGLang's sender and receiver over real engines --------------------------------
 @pytest.fixture
 def managers():
+    kv: list[torch.Tensor] = []  # each engine's K/V tensor, in the order made
+
     def pools():
-        return {"kv": layout.PerLayerArena({"kv": [torch.zeros(64, 16, dtype=torch.uint8)]}, entry_rows=4),
+        kv.append(torch.zeros(64, 16, dtype=torch.uint8))
+        return {"kv": layout.PerLayerArena({"kv": [kv[-1]]}, entry_rows=4),
                 "aux": layout.PerLayerArena({"aux": [torch.zeros(8, 8, dtype=torch.int64)]})}
 
     cfg = EngineConfig(transport="loopback", timeout=2.0)
-    pre, dec = PrefillEngine(pools(), cfg), DecodeEngine(pools(), cfg)
+    # two prefill TP ranks (an MLA replica group for a decode at TP 1), one decode
+    pre, pre1, dec = PrefillEngine(pools(), cfg), PrefillEngine(pools(), cfg), DecodeEngine(pools(), cfg)
     indices = sg.PdxferKVManager.indices
 
-    def mgr(engine, mode):
+    def mgr(engine, mode, rank=0):
         m = SimpleNamespace(engine=engine, mode=mode, config=cfg, state_pools=[], prefill_info_table={},
                             register_room=lambda room: None, enable_deferred_decode_kv_release=False,
-                            reap=lambda: None)
+                            reap=lambda: None, attn_tp_rank=rank, kv_args=SimpleNamespace(page_size=4),
+                            expecting=lambda room, parts: None, forget_room=lambda room: None,
+                            orphan=lambda rid: None)
         m.indices = lambda kv, aux, states: indices(m, kv, aux, states)
         return m
 
     p, d = mgr(pre, "prefill"), mgr(dec, "decode")
-    d.prefill_info_table["pf:1"] = SimpleNamespace(refusal=None, ranks={0: pre.bootstrap_address})
+    d.prefill_info_table["pf:1"] = SimpleNamespace(refusal=None, ranks={0: [(0, pre.bootstrap_address)]})
+    d.prefill_info_table["mla:1"] = SimpleNamespace(refusal=None, ranks={
+        0: [(0, pre.bootstrap_address), (1, pre1.bootstrap_address)]})
     d.prefill_info_table["bad:1"] = SimpleNamespace(refusal="prefill attn_tp_size=2, decode 1", ranks={})
+    p.rank1 = mgr(pre1, "prefill", rank=1)
+    p.kv, d.kv = kv[0], kv[2]
     yield p, d
     pre.close()
+    pre1.close()
     dec.close()
 
 
@@ -120,7 +131,7 @@ def test_a_full_first_chunk_is_not_the_last_one_the_chunk_with_state_indices_is(
     assert tx.poll() is not KVPoll.Success
     tx.send(np.array([], dtype=np.int32), [])  # the zero-page last chunk: aux (and state) travel
     assert _until_finished(rx) is KVPoll.Success and _until_finished(tx) is KVPoll.Success
-    assert d.engine.try_poll("7") is None  # released once the scheduler saw it finish
+    assert d.engine.try_poll(sg.request_id(7, 0)) is None  # released once the scheduler saw it finish
     assert rx.poll() is KVPoll.Success  # and remembered
     assert tx.get_transfer_metric is not None
 
@@ -143,8 +154,9 @@ def test_refusals_fail_the_request_with_the_reason_not_the_scheduler(managers) -
         rx.failure_exception()
     rx = sg.PdxferKVReceiver(d, "pf:1", 9)
     rx.init(0)
-    rx.send_metadata(np.array([1]), 0, [], decode_prefix_len=16)
-    with pytest.raises(RequestFailed, match=r"decode_prefix_len=16: .* without --disaggregation-decode-enable-radix-cache"):
+    rx.send_metadata(np.array([1]), 0, [], decode_prefix_len=6)
+    with pytest.raises(RequestFailed, match=r"decode_prefix_len=6 is not a whole number of pages "
+                                            r"\(page_size=4\)"):
         rx.failure_exception()
     # a sender whose chunks do not add up to init()'s count fails, and says so
     rx = sg.PdxferKVReceiver(d, "pf:1", 10)
@@ -173,6 +185,41 @@ def test_an_abort_before_the_expect_fails_locally_and_after_it_through_the_engin
     assert _until_finished(rx) is KVPoll.Failed
     with pytest.raises(RequestFailed, match=r"aborted by decode: decode scheduler aborted the request"):
         rx.failure_exception()
+
+
+def test_a_decode_prefix_hit_expects_and_receives_only_the_tail(managers) -> None:
+    p, d = managers
+    src, dst = p.kv, d.kv
+    src.copy_(torch.arange(src.numel(), dtype=torch.uint8).view(src.shape))
+    rx = sg.PdxferKVReceiver(d, "pf:1", 13)
+    rx.init(0)
+    rx.send_metadata(np.array([9]), 2, [], decode_prefix_len=8)  # two pages held: the tail is one
+    tx = sg.PdxferKVSender(p, "127.0.0.1:1", 13)
+    _poll_until(tx, KVPoll.WaitingForInput)
+    tx.init(3, 1)  # SGLang's prefill sends every page (it is told no prefix)
+    tx.send(np.array([4, 5, 6]), [])
+    assert _until_finished(rx) is KVPoll.Success and _until_finished(tx) is KVPoll.Success
+    rows = slice(9 * 4, 10 * 4)
+    assert torch.equal(dst[rows], src[6 * 4:7 * 4])  # page 6, the third: the tail
+    assert not dst[:9 * 4].any() and not dst[10 * 4:].any()  # nothing else written
+    assert tx.outcome.stats.nbytes == 4 * 16 + 8 * 8  # one page + aux
+
+
+def test_mla_replica_group_one_rank_sends_the_other_is_told_nothing(managers) -> None:
+    p, d = managers
+    rx = sg.PdxferKVReceiver(d, "mla:1", 15)  # room 15: rank 15 % 2 = 1 sends
+    rx.init(0)
+    assert [rid for rid, _ in rx.sources] == ["15#tp0", "15#tp1"] and rx.rid == "15#tp1"
+    rx.send_metadata(np.array([2, 3]), 4, [])
+    txs = [sg.PdxferKVSender(m, "127.0.0.1:1", 15) for m in (p, p.rank1)]
+    for tx in txs:
+        _poll_until(tx, KVPoll.WaitingForInput)
+        tx.init(2, 5)
+        tx.send(np.array([0, 1]), [])
+    assert _until_finished(rx) is KVPoll.Success
+    assert [_until_finished(tx) for tx in txs] == [KVPoll.Success] * 2
+    moved = [tx.outcome.stats.nbytes for tx in txs]
+    assert moved == [0, 2 * 4 * 16 + 8 * 8], moved  # the idle rank shipped nothing
 
 
 # -- vLLM: a decode prefix hit loads only the tail (#31.1) ---------------------------------------
