@@ -307,8 +307,25 @@ def log_if_dwarfed(ax: Any, values: Iterable[float], ratio: float = 20.0) -> Non
     """
     positive = [v for v in values if v and v > 0]
     if positive and max(positive) > ratio * min(positive):
+        to_log(ax)
+
+
+def to_log(ax: Any) -> None:
+    """Turn `ax`'s y axis log, keeping its own tick labels (`time_axis`) and saying so.
+
+    matplotlib's `set_yscale` resets the formatter to powers of ten; a panel
+    without tick labels of its own gets plain numbers (0.2, 1, 2000).
+    """
+    from matplotlib.ticker import FuncFormatter
+
+    own = ax.yaxis.get_major_formatter()
+    if ax.get_yscale() != "log":
         ax.set_yscale("log")
         ax.set_ylabel((ax.get_ylabel() or "") + " (log)")
+    if not isinstance(own, FuncFormatter):
+        own = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(own)
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
 
 
 # Every labelled series of a figure gets its own (colour, marker): matplotlib's
@@ -342,19 +359,8 @@ def unify(fig: Any) -> None:
             line.set_marker(marker)
     panels = [ax for ax in fig.axes if ax.has_data()]
     if any(ax.get_yscale() == "log" for ax in panels):
-        from matplotlib.ticker import FuncFormatter
-
-        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 0.2, 1, 2000, not 2 x 10^-1
         for ax in panels:
-            # A panel's own tick labels (`time_axis`: 250 µs, 2 ms) survive the
-            # switch to log, which resets the formatter to powers of ten.
-            own = ax.yaxis.get_major_formatter()
-            own = own if isinstance(own, FuncFormatter) else plain
-            if ax.get_yscale() != "log":
-                ax.set_yscale("log")
-                ax.set_ylabel((ax.get_ylabel() or "") + " (log)")
-            ax.yaxis.set_major_formatter(own)
-            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+            to_log(ax)
 
 
 def human_bytes(n: float) -> str:
@@ -376,7 +382,8 @@ def human_seconds(s: float) -> str:
 def time_axis(ax: Any, scale: float = 1.0) -> None:
     """Label `ax`'s y ticks in µs/ms/s; its values are seconds divided by `scale`.
 
-    `unify` keeps this formatter when it turns the panel log.
+    `to_log` (and so `log_if_dwarfed`, `unify`) keeps these labels; a direct
+    `ax.set_yscale` after this call drops them.
     """
     from matplotlib.ticker import FuncFormatter
 
@@ -491,20 +498,28 @@ def figure_sources(module: str) -> list[Path]:
     the code that measures and draws, found from the imports themselves so a
     new helper module counts without editing a list.
     """
-    package = Path(__file__).resolve().parent  # pdxfer/bench
-    root = package.parent.parent
+    import importlib.util
+
+    def file_of(name: str) -> Path | None:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):  # a parent that is not a package
+            return None
+        return Path(spec.origin) if spec and spec.origin and spec.origin.endswith(".py") else None
+
     seen: dict[str, Path] = {}
     todo = [module]
     while todo:
         name = todo.pop()
-        if name in seen:
+        path = None if name in seen else file_of(name)
+        if path is None:
             continue
-        path = root / (name.replace(".", "/") + ".py")
         seen[name] = path
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             found: list[str] = []
             if isinstance(node, ast.ImportFrom):
-                base = name.split(".")[:len(name.split(".")) - node.level] if node.level else []
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
                 stem = ".".join(base + ([node.module] if node.module else []))
                 found = [stem] + [f"{stem}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
@@ -514,7 +529,7 @@ def figure_sources(module: str) -> list[Path]:
                 # named in a string, as `_WORKLOADS` below does)
                 found = [node.value] if node.value.startswith("pdxfer.bench.") else []
             todo += [f for f in found if f in _WORKLOADS or (
-                f.startswith("pdxfer.bench.") and (root / (f.replace(".", "/") + ".py")).exists())]
+                f.startswith("pdxfer.bench.") and f != "pdxfer.bench")]
     return sorted(seen.values())
 
 
