@@ -69,6 +69,7 @@ from .serving import (
     cross_process,
     installed_transports,
 )
+from .startup import handled
 
 _STARTUP_TIMEOUT_S = 90.0  # two torch imports on a loaded machine
 
@@ -295,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
     handles: list[WorkerHandle] = []
     client: RpcClient | None = None
     started = time.monotonic()
+    handled()  # a Ctrl-C from here stops the workers (before: one line, see examples/startup.py)
     try:
         prefill, decode = start_workers(args, device, sizes, handles)
         for h in handles:

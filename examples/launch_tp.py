@@ -29,6 +29,7 @@ from .caches import prefill_counts
 from .launching import WorkerStartError
 from .model import check_context
 from .serving import check_transport, cross_process, installed_transports
+from .startup import handled
 from .tp_model import TP_CONFIG, tp_reference
 from .tp_rank import forked, prompts
 
@@ -146,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     ranks: list[Rank] = []
     started = time.monotonic()
     deadline = started + 6 * args.timeout + 60
+    interrupted = False
+    handled()  # a Ctrl-C from here stops the ranks (before: one line, see examples/startup.py)
     with tempfile.TemporaryDirectory(prefix="pdxfer-tp-") as tmp:
         try:
             for rank in range(P):
@@ -166,9 +169,14 @@ def run(args: argparse.Namespace) -> int:
         except WorkerStartError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            interrupted = True
+            print("interrupted: stopping the ranks", file=sys.stderr)
+            return 130
         finally:
             for r in ranks:
-                r.stop(deadline if sys.exc_info()[0] is None else time.monotonic() + 5)
+                r.stop(deadline if sys.exc_info()[0] is None and not interrupted
+                       else time.monotonic() + 5)
     decode = results[P:]
     ok = True
     print(f"{'request':<10}{'bytes':>10}{'segments':>10}{'expected':>10}{'pairs':>7}  result")
@@ -194,7 +202,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(parse_args(argv))
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # the ranks are stopped; checking their results was interrupted
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
