@@ -29,6 +29,7 @@ import ast
 import contextlib
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -324,8 +325,18 @@ def to_log(ax: Any) -> None:
         ax.set_ylabel((ax.get_ylabel() or "") + " (log)")
     if not isinstance(own, FuncFormatter):
         own = FuncFormatter(lambda v, _: f"{v:g}")
+
+    def minor(v: float, pos: Any) -> str:
+        # A panel spanning under two decades has one or two major ticks at
+        # most: label its 2x and 5x ticks too, or a reader sees a lone "1".
+        lo, hi = sorted(ax.get_ylim())
+        if v <= 0 or lo <= 0 or hi / lo > 100:
+            return ""
+        mantissa = round(v / 10 ** math.floor(math.log10(v)), 6)
+        return own(v, pos) if mantissa in (2, 5) else ""
+
     ax.yaxis.set_major_formatter(own)
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
 
 
 # Every labelled series of a figure gets its own (colour, marker): matplotlib's
