@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a.split("=")[0] in ("--prefill-tp", "--decode-tp") for a in flags):
         from .launch_tp import main as launch_tp  # one process per TP rank: examples.launch_tp
 
-        return launch_tp(flags)
+        return launch_tp(flags, prog="python -m examples.launch_pd")
     args = parse_args(argv)
     # SIGTERM/SIGHUP unwind like Ctrl-C, so `run`'s finally stops the workers.
     # Restored afterwards: main() is also called in-process (tests).

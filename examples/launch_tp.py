@@ -43,9 +43,12 @@ _PD_ONLY = {
 }
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The TP launcher's flags; every flag is honoured or refused by name, none ignored."""
-    parser = argparse.ArgumentParser(prog="python -m examples.launch_tp",
+def parse_args(argv: list[str] | None, prog: str = "python -m examples.launch_tp") -> argparse.Namespace:
+    """The TP launcher's flags; every flag is honoured or refused by name, none ignored.
+
+    `prog` is the command the user typed (launch_pd hands its TP flags here).
+    """
+    parser = argparse.ArgumentParser(prog=prog,
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--prefill-tp", type=bounded_int(1), default=4)
     parser.add_argument("--decode-tp", type=bounded_int(1), default=2)
@@ -201,8 +204,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m examples.launch_tp") -> int:
+    args = parse_args(argv, prog)
     try:
         return run(args)
     except KeyboardInterrupt:  # the ranks are stopped; checking their results was interrupted
