@@ -70,6 +70,7 @@ from .serving import (
     serve_until_signalled,
     stop_metrics,
 )
+from .startup import handled
 
 # How often the wait loop looks at the engine while the prefill reply is not
 # in yet. Only bounds how late a *failure* is noticed: success is read from
@@ -367,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.prefill is None) == (args.directory is None):
         parser.error("give --prefill HOST:PORT (one prefill worker) or --directory URL "
                      "(requests name their prefill instance), not both")
+    handled()  # StopSignals takes over from startup's quiet exit
     with StopSignals() as signals:  # before the model is built: see StopSignals
         try:
             deterministic_torch()

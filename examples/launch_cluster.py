@@ -49,6 +49,7 @@ from .launching import WorkerHandle, WorkerStartError, spawn_worker
 from .model import HybridModel, ModelConfig, deterministic_torch
 from .reference import reference_generate
 from .rpc import Failed, GenerateDone, RoutedGenerate, RpcClient, expect_reply, figures_from_wire
+from .startup import handled
 
 _PRINTING = threading.Lock()
 _STARTUP_TIMEOUT_S = 120.0  # N + M torch imports at once on a loaded two-core machine
@@ -214,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     directory = None
     quiet = None
     started = time.monotonic()
+    handled()  # a Ctrl-C from here stops the workers (before: one line, see examples/startup.py)
     try:
         url = args.directory
         if url is None:

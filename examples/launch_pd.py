@@ -71,6 +71,7 @@ from .serving import (
     cross_process,
     installed_transports,
 )
+from .startup import handled
 
 _STARTUP_TIMEOUT_S = 90.0  # two torch imports on a loaded machine
 
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a.split("=")[0] in ("--prefill-tp", "--decode-tp") for a in flags):
         from .launch_tp import main as launch_tp  # one process per TP rank: examples.launch_tp
 
-        return launch_tp(flags)
+        return launch_tp(flags, prog="python -m examples.launch_pd")
     args = parse_args(argv)
     # SIGTERM/SIGHUP unwind like Ctrl-C, so `run`'s finally stops the workers.
     # Restored afterwards: main() is also called in-process (tests).
@@ -306,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
     handles: list[WorkerHandle] = []
     client: RpcClient | None = None
     started = time.monotonic()
+    handled()  # a Ctrl-C from here stops the workers (before: one line, see examples/startup.py)
     try:
         prefill, decode = start_workers(args, device, sizes, handles)
         for h in handles:

@@ -29,6 +29,7 @@ from .caches import prefill_counts
 from .launching import WorkerStartError
 from .model import check_context
 from .serving import check_transport, cross_process, installed_transports
+from .startup import handled
 from .tp_model import TP_CONFIG, tp_reference
 from .tp_rank import forked, prompts
 
@@ -42,9 +43,12 @@ _PD_ONLY = {
 }
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The TP launcher's flags; every flag is honoured or refused by name, none ignored."""
-    parser = argparse.ArgumentParser(prog="python -m examples.launch_tp",
+def parse_args(argv: list[str] | None, prog: str = "python -m examples.launch_tp") -> argparse.Namespace:
+    """The TP launcher's flags; every flag is honoured or refused by name, none ignored.
+
+    `prog` is the command the user typed (launch_pd hands its TP flags here).
+    """
+    parser = argparse.ArgumentParser(prog=prog,
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--prefill-tp", type=bounded_int(1), default=4)
     parser.add_argument("--decode-tp", type=bounded_int(1), default=2)
@@ -146,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     ranks: list[Rank] = []
     started = time.monotonic()
     deadline = started + 6 * args.timeout + 60
+    interrupted = False
+    handled()  # a Ctrl-C from here stops the ranks (before: one line, see examples/startup.py)
     with tempfile.TemporaryDirectory(prefix="pdxfer-tp-") as tmp:
         try:
             for rank in range(P):
@@ -166,9 +172,14 @@ def run(args: argparse.Namespace) -> int:
         except WorkerStartError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            interrupted = True
+            print("interrupted: stopping the ranks", file=sys.stderr)
+            return 130
         finally:
             for r in ranks:
-                r.stop(deadline if sys.exc_info()[0] is None else time.monotonic() + 5)
+                r.stop(deadline if sys.exc_info()[0] is None and not interrupted
+                       else time.monotonic() + 5)
     decode = results[P:]
     ok = True
     print(f"{'request':<10}{'bytes':>10}{'segments':>10}{'expected':>10}{'pairs':>7}  result")
@@ -193,8 +204,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run(parse_args(argv))
+def main(argv: list[str] | None = None, prog: str = "python -m examples.launch_tp") -> int:
+    args = parse_args(argv, prog)
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # the ranks are stopped; checking their results was interrupted
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

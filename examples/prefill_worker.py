@@ -65,6 +65,7 @@ from .serving import (
     serve_until_signalled,
     stop_metrics,
 )
+from .startup import handled
 
 
 class PrefillWorker:
@@ -238,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instance", default="p0",
                         help="with --directory: the prefill instance name this worker registers")
     args = parse_worker_args(parser, argv)
+    handled()  # StopSignals takes over from startup's quiet exit
     with StopSignals() as signals:  # before the model is built: see StopSignals
         directory = None
         try:

@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import random
+import signal
 import sys
 
 import numpy as np
@@ -150,6 +151,9 @@ def forked(argv: list[str], conn) -> None:
     Forked rather than exec'd so that a 9-process run does not import torch
     nine times on a shared two-core machine.
     """
+    # A terminal's Ctrl-C reaches every rank too: the launcher answers it and
+    # stops the ranks, so a rank neither dies mid-collective nor prints a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = parse_args(argv)
 
     def read_group() -> str:

@@ -333,6 +333,56 @@ def test_paths_the_docs_name_exist() -> None:
     assert not missing, "named in the docs but not in the repository: " + "; ".join(missing)
 
 
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+
+
+def test_only_the_full_size_runs_write_the_committed_figures() -> None:
+    """A `--plot` a user copies writes into the current directory, never over `docs/img/`.
+
+    docs/benchmarks.md gives the full-size command that redraws each committed
+    figure (tests/pdxfer/test_bench_figures.py checks the figure is that
+    command's, run by today's code); a README line that plotted into
+    `docs/img/` overwrote a tracked figure with a smoke run.
+    """
+    plots = [(c, m[1]) for c in COMMANDS for m in re.finditer(r"--plot[ =](\S+)", c.text)]
+    assert plots, "no documented --plot: the check below would pass over nothing"
+    tracked = [f"{c.where} `{c.text}`" for c, path in plots
+               if path.startswith("docs/img/") and c.doc != BENCHMARKS]
+    assert not tracked, f"--plot into the committed figures outside docs/benchmarks.md: {tracked}"
+
+
+# What a reader of the user-facing pages cannot follow: an issue number, a
+# helper's branch name (h13b), a commit id. Maintainer pages (architecture,
+# reliability) keep theirs as provenance.
+INTERNAL = re.compile(r"(?<![\w&])#\d+\b|\bissue \d+|\bh\d+[a-z]?\b|"
+                      r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", re.I)
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", BENCHMARKS], ids=lambda d: d.name)
+def test_user_pages_name_no_issue_or_commit(doc: Path) -> None:
+    found, fenced = [], False
+    for n, line in enumerate(doc.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            found += [f"{doc.name}:{n} {m[0]!r}" for m in INTERNAL.finditer(line)]
+    assert not found, f"say it in plain words instead: {found}"
+
+
+def test_benchmarks_opens_with_a_summary_that_fits_a_screen() -> None:
+    text = BENCHMARKS.read_text()
+    sections = re.split(r"^## ", text, flags=re.M)
+    assert sections[1].startswith("In one screen\n"), "the first section must be the summary"
+    summary = sections[1].splitlines()
+    assert len(summary) <= 45, f"the summary is {len(summary)} lines: a screen is ~45"
+    headings = {h.strip() for h in re.findall(r"^#{2,4} (.+)$", text, flags=re.M)}
+    rows = [r.split("|")[1:-1] for r in summary if r.startswith("| ") and "---" not in r][1:]
+    assert rows, "the summary has no table of headline ratios"
+    named = [cells[-1].strip() for cells in rows]
+    assert all(n == "same" or n in headings for n in named), (
+        f"summary rows must name a section of the page: {set(named) - headings - {'same'}}")
+
+
 def test_a_comment_before_a_block_marks_every_line_not_run(tmp_path: Path) -> None:
     page = tmp_path / "page.md"  # blocks() names places relative to ROOT: not called here
     page.write_text("text\n\n<!-- not run here: needs two hosts for this -->\n\n```sh\n"

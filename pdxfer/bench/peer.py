@@ -214,9 +214,12 @@ class ChildPeer:
         self.timeout = timeout
         self.dst = None  # lives in the child
         # `module` runs `serve` with its own receiver class (decode_peer: a DecodeEngine).
+        # Its own session: a terminal's Ctrl-C reaches only the bench, which says how far
+        # it got and closes the child (`quit`, or end of file on its pipe); in the
+        # terminal's process group the child printed a KeyboardInterrupt traceback.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, str(total)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
         )
         self._busy = False
         self._rfd, self._wfd = self.proc.stdout.fileno(), self.proc.stdin.fileno()

@@ -16,19 +16,27 @@ matplotlib is an optional extra (`pip install '/path/to/pdxfer[plot]'`); `--plot
 for it only when used and says how to get it when missing. `figure` puts
 the legend beside the axes, never over the data, and `log_if_dwarfed` says
 when a panel's values span so much that a linear axis would flatten all but
-the largest.
+the largest. A saved figure carries which bench drew it and a digest of the
+code that measured and drew it (`source_digest`), so a committed figure that
+today's code would draw differently is caught by the figure test instead of
+contradicting the table beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import hashlib
 import json
+import math
 import os
 import platform
+import re
 import shutil
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -300,8 +308,35 @@ def log_if_dwarfed(ax: Any, values: Iterable[float], ratio: float = 20.0) -> Non
     """
     positive = [v for v in values if v and v > 0]
     if positive and max(positive) > ratio * min(positive):
+        to_log(ax)
+
+
+def to_log(ax: Any) -> None:
+    """Turn `ax`'s y axis log, keeping its own tick labels (`time_axis`) and saying so.
+
+    matplotlib's `set_yscale` resets the formatter to powers of ten; a panel
+    without tick labels of its own gets plain numbers (0.2, 1, 2000).
+    """
+    from matplotlib.ticker import FuncFormatter
+
+    own = ax.yaxis.get_major_formatter()
+    if ax.get_yscale() != "log":
         ax.set_yscale("log")
         ax.set_ylabel((ax.get_ylabel() or "") + " (log)")
+    if not isinstance(own, FuncFormatter):
+        own = FuncFormatter(lambda v, _: f"{v:g}")
+
+    def minor(v: float, pos: Any) -> str:
+        # A panel spanning under two decades has one or two major ticks at
+        # most: label its 2x and 5x ticks too, or a reader sees a lone "1".
+        lo, hi = sorted(ax.get_ylim())
+        if v <= 0 or lo <= 0 or hi / lo > 100:
+            return ""
+        mantissa = round(v / 10 ** math.floor(math.log10(v)), 6)
+        return own(v, pos) if mantissa in (2, 5) else ""
+
+    ax.yaxis.set_major_formatter(own)
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
 
 
 # Every labelled series of a figure gets its own (colour, marker): matplotlib's
@@ -335,15 +370,8 @@ def unify(fig: Any) -> None:
             line.set_marker(marker)
     panels = [ax for ax in fig.axes if ax.has_data()]
     if any(ax.get_yscale() == "log" for ax in panels):
-        from matplotlib.ticker import FuncFormatter
-
-        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 0.2, 1, 2000, not 2 x 10^-1
         for ax in panels:
-            if ax.get_yscale() != "log":
-                ax.set_yscale("log")
-                ax.set_ylabel((ax.get_ylabel() or "") + " (log)")
-            ax.yaxis.set_major_formatter(plain)
-            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+            to_log(ax)
 
 
 def human_bytes(n: float) -> str:
@@ -352,6 +380,25 @@ def human_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:g} {unit}"
     return f"{n:g} B"
+
+
+def human_seconds(s: float) -> str:
+    """0.00025 -> '250 µs', 0.012 -> '12 ms', 2 -> '2 s': time ticks in the unit a reader uses."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(s) >= size:
+            return f"{s / size:g} {unit}"
+    return f"{s * 1e9:g} ns" if s else "0"
+
+
+def time_axis(ax: Any, scale: float = 1.0) -> None:
+    """Label `ax`'s y ticks in µs/ms/s; its values are seconds divided by `scale`.
+
+    `to_log` (and so `log_if_dwarfed`, `unify`) keeps these labels; a direct
+    `ax.set_yscale` after this call drops them.
+    """
+    from matplotlib.ticker import FuncFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human_seconds(v * scale)))
 
 
 def bytes_axis(ax: Any, scale: float = 1.0) -> None:
@@ -381,7 +428,20 @@ def figure_problems(fig: Any) -> list[str]:
     scales = {ax.get_yscale() for ax in fig.axes if ax.has_data()}
     if len(scales) > 1:
         problems.append(f"panels on different y scales: {sorted(scales)}")
+    fig.canvas.draw()  # tick labels exist once drawn
+    for ax in fig.axes:
+        for axis in ("x", "y"):
+            ticks = getattr(ax, f"get_{axis}ticklabels")(which="both")
+            texts = [t.get_text() for t in ticks] + [getattr(ax, f"{axis}axis").get_offset_text().get_text()]
+            powers = [t for t in texts if _POWERS.search(t)]
+            if powers:
+                problems.append(f"{axis} ticks of {ax.get_title()!r} in powers, not units a "
+                                f"reader uses: {powers[:3]}")
     return problems
+
+
+# 2^6, 10^3, 2x10^0, 1e+03: what matplotlib prints on a log axis left to itself.
+_POWERS = re.compile(r"\^|\\times|\de[+-]?\d")
 
 
 def matplotlib_rgba(color: Any) -> tuple[float, ...]:
@@ -420,11 +480,109 @@ def figure(path: Path, draw: Callable[[Any], None], title: str, note: str = "") 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    bench = draw.__module__  # the bench module whose `plot` defined `draw`
+    stamp = {BENCH_KEY: bench, SOURCE_KEY: source_digest(bench)}
     try:
-        compose(plt, draw, title, note).savefig(path, dpi=110, bbox_inches="tight")
+        compose(plt, draw, title, note).savefig(path, dpi=110, bbox_inches="tight", metadata=stamp)
     finally:
         plt.close("all")
     print(f"# plot written to {path}", file=sys.stderr)
+
+
+# A saved figure's PNG text chunks: which bench module drew it, and the digest of
+# the code it depends on at the time (`source_digest`).
+BENCH_KEY = "pdxfer-bench"
+SOURCE_KEY = "pdxfer-source"
+# Modules outside pdxfer.bench that a figure's numbers depend on: the model
+# shapes `bench layouts` ships. The engine itself is not here: a figure is
+# "the numbers this bench measured on that day", not a claim about every later
+# engine change.
+_WORKLOADS = ("pdxfer.layout_example",)
+
+
+def figure_sources(module: str) -> list[Path]:
+    """The files a figure drawn by bench `module` depends on.
+
+    The module, the `pdxfer.bench` modules it imports or names as a child
+    process's module (at any depth, inside functions too) and the workload
+    modules among its imports:
+    the code that measures and draws, found from the imports themselves so a
+    new helper module counts without editing a list.
+    """
+    import importlib.util
+
+    def file_of(name: str) -> Path | None:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):  # a parent that is not a package
+            return None
+        return Path(spec.origin) if spec and spec.origin and spec.origin.endswith(".py") else None
+
+    seen: dict[str, Path] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        path = None if name in seen else file_of(name)
+        if path is None:
+            continue
+        seen[name] = path
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            found: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                stem = ".".join(base + ([node.module] if node.module else []))
+                found = [stem] + [f"{stem}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                # a child process's module, `module="pdxfer.bench.fleet"` (not a workload
+                # named in a string, as `_WORKLOADS` below does)
+                found = [node.value] if node.value.startswith("pdxfer.bench.") else []
+            todo += [f for f in found if f in _WORKLOADS or (
+                f.startswith("pdxfer.bench.") and f != "pdxfer.bench")]
+    return sorted(seen.values())
+
+
+def source_digest(module: str) -> str:
+    """sha256 of the code a figure of bench `module` depends on (`figure_sources`).
+
+    Docstrings, comment-only lines and blank lines are left out, so explaining
+    the code better does not make every committed figure stale; any other
+    change does.
+    """
+    digest = hashlib.sha256()
+    for path in figure_sources(module):
+        text = path.read_text()
+        skip: set[int] = set()
+        for node in ast.walk(ast.parse(text)):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+                    getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+                skip.update(range(body[0].lineno, body[0].end_lineno + 1))
+        kept = [line.rstrip() for n, line in enumerate(text.splitlines(), 1)
+                if n not in skip and line.strip() and not line.lstrip().startswith("#")]
+        digest.update(path.name.encode() + b"\0" + "\n".join(kept).encode() + b"\0")
+    return digest.hexdigest()
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """The tEXt chunks of a PNG file (where `figure` records who drew it)."""
+    data = Path(path).read_bytes()
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError(f"{path} is not a PNG file")
+    out, at = {}, 8
+    while at + 8 <= len(data):
+        size = int.from_bytes(data[at:at + 4], "big")
+        kind, body = data[at + 4:at + 8], data[at + 8:at + 8 + size]
+        if kind == b"tEXt":
+            key, _, value = body.partition(b"\0")
+            out[key.decode("latin-1")] = value.decode("latin-1")
+        elif kind == b"zTXt":
+            key, _, rest = body.partition(b"\0")
+            out[key.decode("latin-1")] = zlib.decompress(rest[1:]).decode("latin-1")
+        at += 12 + size
+    return out
 
 
 # What `--tiny` runs when `--backends` is not given: the two every host has,

@@ -84,7 +84,9 @@ def test_worker_flag_ranges(argv: list[str], message: str, capsys: pytest.Captur
 ])
 def test_tp_mode_refuses_what_it_would_ignore(argv: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    assert message in _usage_error(launch_pd.main, argv, capsys)
+    line = _usage_error(launch_pd.main, argv, capsys)
+    assert message in line
+    assert line.startswith("python -m examples.launch_pd: error: ")  # the command typed
 
 
 def test_prompt_len_past_the_attention_budget_names_the_limit(

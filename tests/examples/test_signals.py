@@ -61,3 +61,40 @@ def test_a_burst_of_signals_closes_each_worker_cleanly(rounds: int) -> None:
     finally:
         code, err = _burst(prefill)
     assert (code, err) == (0, ""), err
+
+
+def _launcher(*args: str) -> subprocess.Popen:
+    # Its own process group, which Ctrl-C in a terminal signals as a whole.
+    return subprocess.Popen([sys.executable, "-m", "examples.launch_pd", "--transport", "tcp", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _importing_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see torch load")
+def test_ctrl_c_while_the_launcher_imports_is_one_line() -> None:
+    # Was a 40-line KeyboardInterrupt traceback out of torch's or ucxx's import.
+    proc = _launcher()
+    while not _importing_torch(proc.pid):  # torch's import takes seconds: the signal lands in it
+        assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    # "starting" unless the launcher got past its imports first; one line either way.
+    assert proc.returncode == 130 and err in ("interrupted while starting\n",
+                                              "interrupted: stopping the workers\n"), err
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_while_the_workers_start_stops_them_in_one_line() -> None:
+    proc = _launcher("--requests", "2")
+    assert proc.stdout.readline().startswith("pdxfer PD example:")  # workers start next
+    os.killpg(proc.pid, signal.SIGINT)  # the launcher and the workers it has so far
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (130, "interrupted: stopping the workers\n"), err
