@@ -8,14 +8,17 @@ STAMP  := $(VENV)/.pdxfer-installed
 # torch is pinned here, not in pyproject: 2.13.0 is the CPU build on these
 # machines' local disk, while an unpinned torch pulls a multi-GB CUDA build.
 # It is installed first so nixl-cu12 (which asks for any torch) finds it
-# satisfied instead of pulling a CUDA build of its own.
+# satisfied instead of pulling a CUDA build of its own. setuptools is raised to what
+# pyproject's build-system asks: the suite builds the wheel with --no-build-isolation
+# (tests/test_wheel_install.py, docs/integration-engines.md), which uses the venv's own,
+# and Python 3.11's venv ships 65.5, which refuses the SPDX `license = "MIT"`.
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: setup demo test test-sglang test-vllm lint bench clean pyverbs gpu-check
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test,nixl,plot,ucx]"
 	touch $(STAMP)
@@ -27,11 +30,12 @@ demo: setup
 
 # Two pytest-xdist workers: much of the suite waits (timeouts, peers' replies, worker
 # processes starting), so a second worker fills those waits on two cores (tests sharing one
-# launcher run find it across workers: tests/conftest.py). TEST_WORKERS=0 runs the suite in
-# this one process.
+# launcher run find it across workers: tests/conftest.py). Work stealing with the slowest
+# files first (tests/conftest.py, tests/durations.json): the run ends on short tests, not
+# on one worker's last long one. TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist worksteal)
 
 # SGLang's and vLLM's own code driving pdxfer (tests/engines/): each builds its own pinned
 # venv under .cache/ on first use (minutes; then cached), and skips with the reason where

@@ -233,6 +233,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdxfer import transport
 
+    # `transport/` installs as `pdxfer.transport` (setup.py): an editable install's finder
+    # maps that name to its own checkout whatever sys.path says, so with --repo the other
+    # checkout's `pdxfer/` could run over this checkout's `transport/` — the ucx code hunted.
+    for module in (transport, sys.modules["pdxfer"]):
+        if not Path(module.__file__).resolve().is_relative_to(a.repo):
+            print(f"{module.__name__} was imported from {module.__file__}, not from --repo "
+                  f"{a.repo}: run with that checkout's own venv, or link its folders in "
+                  f"(ln -s ../transport {a.repo}/pdxfer/transport; the same for layout)",
+                  file=sys.stderr)
+            return 2
     if "ucx" not in transport.available():
         print("ucx is not available (pip install 'pdxfer[ucx]')", file=sys.stderr)
         return 2

@@ -81,3 +81,68 @@ def launcher_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subp
         return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, out, err)
 
     return run
+
+
+# -- the suite's order: slowest files first ------------------------------------------------
+#
+# `make test` runs two xdist workers with `--dist worksteal`: each worker starts on half of
+# the collection and an idle one takes tests from the end of the other's queue. The wall time
+# is then set by what is left running at the end, so the files that take longest run first
+# and the end of every queue is made of short tests. A file's weight is its measured time
+# (setup + call + teardown of all its tests, seconds) from tests/durations.json; files stay
+# whole and in their own order (their module-scoped fixtures are set up once per worker), and
+# a file the table does not know yet weighs the median. Refresh the table after adding slow
+# tests: `.venv/bin/python -m pytest -q -n 2 --dist worksteal --store-durations`.
+
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--store-durations", action="store_true",
+                     help="write each test file's measured time to tests/durations.json "
+                          "(the order `make test` runs the files in: slowest first)")
+
+
+def _weights() -> dict[str, float]:
+    try:
+        return json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    weights = _weights()
+    if not weights:
+        return
+    known = sorted(weights.values())
+    median = known[len(known) // 2]
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(_file_of(item.nodeid), i)
+    # the same order on every worker (xdist requires identical collections): a pure
+    # function of the table and the collection
+    items.sort(key=lambda item: (-weights.get(_file_of(item.nodeid), median),
+                                 first_seen[_file_of(item.nodeid)]))
+
+
+_measured: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Under xdist this runs in the controller for every worker's reports too.
+    path = _file_of(report.nodeid)
+    _measured[path] = _measured.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if not config.getoption("store_durations") or hasattr(config, "workerinput"):
+        return
+    table = _weights()
+    table.update({path: round(seconds, 2) for path, seconds in _measured.items()})
+    DURATIONS.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")

@@ -24,18 +24,21 @@ from pdxfer.transport.handles import Handle
 from pdxfer import transport
 
 SCRIPT = pathlib.Path(__file__).with_name("exit_script.py")
+FORKS = 5
 
 
 @pytest.mark.parametrize("backend", ["loopback", "tcp"])
 def test_engines_then_exit_returns_0_every_time(backend: str) -> None:
-    # 10 forked children, then the parent itself (a fresh interpreter that ran no engine
-    # before: 22 exits over both backends); every exit code must be 0, never 134 / -6
-    # (SIGABRT). One process start for both cases: each start costs a torch import.
-    proc = subprocess.run([sys.executable, str(SCRIPT), backend, "16", "10"],
+    # FORKS forked children, then the parent itself (a fresh interpreter that ran no engine
+    # before: 12 exits over both backends); every exit code must be 0, never 134 / -6
+    # (SIGABRT). One process start for both cases: each start costs a torch import. The
+    # SIGABRT never reproduced here in 92 runs (docs/reliability.md "Clean exit"); the cause
+    # is pinned by the kit's thread-join case, so more children buy suite time, not proof.
+    proc = subprocess.run([sys.executable, str(SCRIPT), backend, "16", str(FORKS)],
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]  # the fresh interpreter's own exit
     codes = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert codes == [0] * 10, (codes, proc.stderr[-3000:])
+    assert codes == [0] * FORKS, (codes, proc.stderr[-3000:])
 
 
 def test_loopback_close_waits_for_a_busy_worker(monkeypatch) -> None:
