@@ -31,6 +31,7 @@ from pdxfer.transport.errors import TransferTimeout
 from pdxfer import EngineConfig, RequestError, RequestFailed, observe, transport
 from pdxfer.cliargs import bounded_int, check_ports_free, device_name, positive_float
 
+from . import startup
 from .caches import PoolSizes
 
 READY_PREFIX = "PDXFER_EXAMPLE_READY "
@@ -248,6 +249,12 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.stopping and startup.is_program():
+            # The process is ending. A signal still on its way (the rest of a burst, the
+            # launcher's SIGTERM after a Ctrl-C) would meet SIG_DFL during interpreter
+            # shutdown, which takes a while with torch loaded, and turn exit 0 into -15:
+            # keep only counting until the process is gone.
+            return
         for sig, handler in self._saved.items():
             signal.signal(sig, handler)
 

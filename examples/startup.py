@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_program = False  # set by quiet_start: this process is `python -m examples.X`
 
 
 def _stop(signum: int, _frame: Any) -> None:
@@ -32,6 +33,8 @@ def _stop(signum: int, _frame: Any) -> None:
 
 def quiet_start() -> None:
     """Until `handled()`, SIGINT and SIGTERM end the process with one line (see the module)."""
+    global _program
+    _program = True
     for sig in _SIGNALS:
         signal.signal(sig, _stop)
 
@@ -48,3 +51,9 @@ def handled() -> None:
     for sig, default in zip(_SIGNALS, (signal.default_int_handler, signal.SIG_DFL), strict=True):
         if signal.getsignal(sig) is _stop:
             signal.signal(sig, default)
+
+
+def is_program() -> bool:
+    """Whether this process is an example program (`python -m examples.X`), not a test calling
+    its `main()` in-process: only a program may keep its own signal handling until it exits."""
+    return _program

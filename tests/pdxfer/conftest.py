@@ -21,12 +21,17 @@ def cross_backend(request) -> str:
 
 
 @pytest.fixture
-def pair(backend):
-    """A prefill and a decode engine over `backend`, with seeded pools; closed afterwards."""
+def pair(request, backend):
+    """A prefill and a decode engine over `backend`, with seeded pools; closed afterwards.
+
+    `@pytest.mark.engine_config(**kw)` on a test or module overrides `config`'s short timeouts.
+    """
+    marker = request.node.get_closest_marker("engine_config")
+    kw = marker.kwargs if marker is not None else {}
     src = build_pools(512, 64, seed=1)
     dst = build_pools(1024, 256, seed=2)
-    prefill = PrefillEngine(src, config(backend))
-    decode = DecodeEngine(dst, config(backend))
+    prefill = PrefillEngine(src, config(backend, **kw))
+    decode = DecodeEngine(dst, config(backend, **kw))
     try:
         yield prefill, decode, src, dst
     finally:

@@ -388,9 +388,12 @@ def test_decode_dying_fails_the_prefills_requests(backend) -> None:
         prefill.send("c2", {"kv": [4]})
         with pytest.raises(RequestFailed, match="decode engine closed"):
             prefill.wait("c2", 1.0)
-        # A healthy decode is served afterwards.
-        with DecodeEngine(build_pools(64, 16), cfg) as decode2:
+        # A healthy decode is served afterwards. Its link is a cold one (a nixl handshake on a
+        # busy host outran 2 s once): a liveness bound it cannot miss, and the send only once
+        # the prefill heard the Expect, so neither side's short wait covers the handshake.
+        with DecodeEngine(build_pools(64, 16), config(backend, timeout=10.0)) as decode2:
             decode2.expect("c3", prefill.bootstrap_address, {"kv": [5]})
+            _heard(prefill, "c3")
             prefill.send("c3", {"kv": [6]})
             assert decode2.wait("c3", WAIT) is KVPoll.Success
 

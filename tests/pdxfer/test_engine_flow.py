@@ -23,6 +23,11 @@ from pdxfer_testkit import (
 from pdxfer import DecodeEngine, KVPoll, PrefillEngine, RequestStats, layout, transport
 
 WAIT = 20.0
+# Every request here succeeds, so the liveness bound plays no part but can only fail a run
+# whose progress loops a busy host starved for 2 s (verbs-sim's 240 requests did once):
+# the fault tests keep the short one.
+FLOW = {"timeout": 10.0}
+pytestmark = pytest.mark.engine_config(**FLOW)
 
 
 def _plan_requests(n: int, pages: int, src_kv: int, src_state: int, dst_kv: int,
@@ -162,7 +167,7 @@ def test_other_arena_kinds(backend, kind) -> None:
     else:
         src, dst = _split_pools(3), _split_pools(4)
     before = snapshot(dst)
-    with PrefillEngine(src, config(backend)) as prefill, DecodeEngine(dst, config(backend)) as decode:
+    with PrefillEngine(src, config(backend, **FLOW)) as prefill, DecodeEngine(dst, config(backend, **FLOW)) as decode:
         moves = []
         for i in range(6):
             s = {"kv": np.arange(4 * i, 4 * i + 4), "state": [i]}
@@ -186,9 +191,9 @@ def _split_pools(seed: int) -> dict:
 
 
 def test_many_to_many(backend) -> None:
-    prefills = [PrefillEngine(build_pools(64, 16, seed=10 + i), config(backend)) for i in range(2)]
+    prefills = [PrefillEngine(build_pools(64, 16, seed=10 + i), config(backend, **FLOW)) for i in range(2)]
     dst_pools = [build_pools(256, 64, seed=20 + j) for j in range(2)]
-    decodes = [DecodeEngine(p, config(backend)) for p in dst_pools]
+    decodes = [DecodeEngine(p, config(backend, **FLOW)) for p in dst_pools]
     try:
         befores = [snapshot(p) for p in dst_pools]
         moves: list[list] = [[], []]
@@ -235,7 +240,7 @@ def test_pools_carved_from_one_allocation_register_once(backend) -> None:
 
     src, dst = carved(5), carved(6)
     before = snapshot(dst)
-    with PrefillEngine(src, config(backend)) as prefill, DecodeEngine(dst, config(backend)) as decode:
+    with PrefillEngine(src, config(backend, **FLOW)) as prefill, DecodeEngine(dst, config(backend, **FLOW)) as decode:
         assert prefill.regions == 1 and decode.regions == 1
         # One registration spanning both pools, and not the tail of the allocation.
         assert decode._pools.regions[0].length == total
@@ -277,7 +282,7 @@ def test_pools_sharing_one_plane_register_once_where_naive_registration_is_refus
     plane = torch.zeros_like(dst["state"].buf)
     want = unified(None, plane)
     plane.copy_(dst["state"].buf)
-    with PrefillEngine(src, config(backend)) as prefill, DecodeEngine(dst, config(backend)) as decode:
+    with PrefillEngine(src, config(backend, **FLOW)) as prefill, DecodeEngine(dst, config(backend, **FLOW)) as decode:
         assert prefill.regions == 1 and decode.regions == 1
         decode.expect("u", prefill.bootstrap_address, {"kv": [20, 21], "state": [20]})
         prefill.send("u", {"kv": [3, 4], "state": [3]})
