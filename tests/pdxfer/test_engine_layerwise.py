@@ -124,7 +124,9 @@ def test_streamed_layer_groups_land_the_same_bytes_as_whole_entries_and_succeed_
         p.send("r", {"kv": a_src}, layers=layers, last=False)
         move(pair.twin, pair.src, "kv", a_src, a_dst, layers)
         until(lambda: same(pair.dst, pair.twin), f"layers {layers} landed")
-        assert d.poll("r") is KVPoll.Transferring
+        # The bytes land before their notify is handled: wait for the state, which must be
+        # Transferring (Success is final, so reaching this proves it did not come early).
+        until(lambda: d.poll("r") is KVPoll.Transferring, f"layers {layers} noted")
     p.send("r", {"kv": a_src}, layers=(3, 4), last=False)
     move(pair.twin, pair.src, "kv", a_src, a_dst, (3, 4))
     until(lambda: same(pair.dst, pair.twin), "the first span's last layer landed")
