@@ -76,14 +76,16 @@ short, so a dead peer still fails its requests in seconds.
   raises an `ImportError` saying which (the name, the vLLM version).
 
 Not supported (refused or reported with the reason): sliding-window groups,
-different TP sizes (refused by name), pipeline parallelism, sleep mode
-(`supports_sleep_mode` is False: registered memory is not re-registered), a
-decode-side prefix-cache hit on a remotely prefilled request of a hybrid
-(Mamba) model: the decode then computes the prompt itself, warns, counts it
-(`vllm:pdxfer_num_prefix_cache_fallbacks`), and the prefill's send waits
-out its `request_timeout`. Any other model's decode prefix hit loads only
-the uncached tail (`cached_blocks`, the engine's tail-only Expect), as NIXL
-does since vllm-project/vllm#48758.
+different TP sizes (refused by name: each decode request fails with "the
+prefill runs N TP ranks, this decode M"; its prefill's send waits out its
+`request_timeout`), pipeline parallelism, sleep mode (`supports_sleep_mode`
+is False: registered memory is not re-registered), and prefix caching on
+the decode of a hybrid (Mamba) model (refused at start-up: a local hit
+cannot resume the Mamba state the prefill sends). Should a hybrid decode
+see a local hit anyway, it computes the prompt itself, warns once per
+request and counts it (`vllm:pdxfer_num_prefix_cache_fallbacks`). Any other
+model's decode prefix hit loads only the uncached tail (`cached_blocks`,
+the engine's tail-only Expect), as NIXL does since vllm-project/vllm#48758.
 """
 
 from __future__ import annotations
@@ -496,6 +498,15 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_errors = len(kv_cache_config.kv_cache_groups) == 1
         # Mamba: the prefill stops one token short, the decode recomputes it (h(N-1) -> h(N)).
         self._backoff = 1 if kv_cache_config.has_mamba_layers else 0
+        if self._backoff and self._consumer and vllm_config.cache_config.enable_prefix_caching:
+            # A local hit hands the connector a prefix whose Mamba state the prefill never sent
+            # (it ships the state after the whole prompt): the decode would compute the prompt
+            # itself while the prefill's blocks wait out request_timeout.
+            raise ConfigError("PdxferConnector on the decode (kv_role "
+                              f"{ktc.kv_role!r}) of a hybrid (Mamba) model needs prefix caching "
+                              "off: a local prefix hit cannot resume the Mamba state the prefill "
+                              "sends; start the decode with --no-enable-prefix-caching (the "
+                              "prefill may keep it on)")
         given = ktc.get_from_extra_config("pdxfer", None)
         text = json.dumps(given) if given is not None else os.environ.get(CONFIG_ENV)
         self.config = engine_config(text, host=get_ip, request_timeout=SERVING_REQUEST_TIMEOUT)
