@@ -315,8 +315,11 @@ class PdxferConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, each step: requests to expect (decode) and to send (prefill)."""
 
     def __init__(self) -> None:
-        self.recv: dict[str, tuple[str, list[str], list[list[int]]]] = {}  # id -> (pdxfer id, addrs, blocks)
+        # id -> (pdxfer id, addrs, tail blocks per group, cached blocks per group)
+        self.recv: dict[str, tuple[str, list[str], list[list[int]], list[int]]] = {}
         self.send: dict[str, list[list[int]]] = {}  # id -> blocks per group
+        self.hold: dict[str, list[str]] = {}  # pdxfer id -> prefill addresses: keep alive
+        self.unhold: set[str] = set()  # pdxfer ids no longer queued here (ended unexpected)
 
 
 # ==== metrics ===============================================================================
@@ -355,7 +358,8 @@ def failure_kind(cause: BaseException | None, reason: str | None) -> str:
     return "aborted" if reason and "aborted" in reason else "unknown"
 
 
-_STAT_KEYS = ("transfer_s", "bytes", "segments", "failed", "quarantine_s", "prefix_fallbacks")
+_STAT_KEYS = ("transfer_s", "wire_s", "bytes", "segments", "failed", "quarantine_s",
+              "prefix_fallbacks")
 
 
 class PdxferKVConnectorStats(KVConnectorStats):
@@ -365,7 +369,10 @@ class PdxferKVConnectorStats(KVConnectorStats):
     request is n transfers, each rank's own bytes (vLLM aggregates its
     workers' stats by `aggregate`, as NIXL's connector's are). Lists, so
     aggregation is concatenation: `transfer_s` (pdxfer's elapsed time,
-    send/expect to finish), `bytes`, `segments` of successful transfers;
+    send/expect to finish), `wire_s` (pdxfer's `RequestStats.wire_s`, where
+    measured: always on the prefill, first write posted to last complete; on
+    the decode only for a request of several transfers), `bytes`, `segments`
+    of successful transfers;
     `failed` (one label per failed transfer, `failure_kind`); `quarantine_s`
     (how long a failed receive stayed Quarantined before it was safe);
     `prefix_fallbacks` (decode requests computed locally because of a local
@@ -398,14 +405,19 @@ class PdxferKVConnectorStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         """The interval in a few numbers, for vLLM's periodic log line."""
         t = np.asarray(self.data["transfer_s"], dtype=np.float64)
+        wire = np.asarray(self.data["wire_s"], dtype=np.float64)
         mb = np.asarray(self.data["bytes"], dtype=np.float64) / 2**20
         n = len(t)
+        # Throughput over the wire time where every transfer has one (the prefill's), else over
+        # the elapsed time (which includes the wait for the peer: a lower bound).
+        per = wire if len(wire) == n and wire.sum() > 0 else t
         out: dict[str, int | float] = {
             "Num successful transfers": n,
             "Avg transfer time (ms)": round(float(t.mean()) * 1e3, 3) if n else 0,
             "P90 transfer time (ms)": round(float(np.percentile(t, 90)) * 1e3, 3) if n else 0,
             "Avg MB per transfer": round(float(mb.mean()), 3) if n else 0,
-            "Throughput (MB/s)": round(float(mb.sum() / t.sum()), 3) if n and t.sum() > 0 else 0,
+            "Avg wire time (ms)": round(float(wire.mean()) * 1e3, 3) if len(wire) else 0,
+            "Throughput (MB/s)": round(float(mb.sum() / per.sum()), 3) if n and per.sum() > 0 else 0,
             "Avg segments": round(float(np.mean(self.data["segments"])), 1) if n else 0,
             "Num failed transfers": len(self.data["failed"]),
             "Num quarantined": len(self.data["quarantine_s"]),
@@ -432,6 +444,10 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
         self.transfer_s = per_engine(hist(
             name="vllm:pdxfer_transfer_time_seconds", labelnames=labelnames, buckets=seconds,
             documentation="pdxfer transfers: seconds from send/expect to the request's finish."))
+        self.wire_s = per_engine(hist(
+            name="vllm:pdxfer_wire_time_seconds", labelnames=labelnames, buckets=seconds,
+            documentation="pdxfer transfers: seconds on the wire, first write posted to last "
+                          "complete (the prefill's; the decode's for multi-transfer requests)."))
         self.bytes = per_engine(hist(
             name="vllm:pdxfer_bytes_transferred", labelnames=labelnames,
             buckets=[2 ** (10 + i) for i in range(1, 25, 2)],
@@ -456,7 +472,8 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Record one interval's observations under the engine's labels."""
         d = transfer_stats_data
-        for metric, key in ((self.transfer_s, "transfer_s"), (self.bytes, "bytes"),
+        for metric, key in ((self.transfer_s, "transfer_s"), (self.wire_s, "wire_s"),
+                            (self.bytes, "bytes"),
                             (self.segments, "segments"), (self.quarantine_s, "quarantine_s")):
             for v in d.get(key, ()):
                 metric[engine_idx].observe(v)
@@ -514,6 +531,9 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM id -> (pdxfer id, prefill addresses, tail blocks per group, cached blocks per group)
         self._to_recv: dict[str, tuple[str, list[str], list[list[int]], list[int]]] = {}
         self._to_send: dict[str, list[list[int]]] = {}
+        self._to_hold: dict[str, list[str]] = {}
+        self._to_unhold: set[str] = set()
+        self._queued: dict[str, str] = {}  # decode: vLLM id -> pdxfer id, held until allocated
         self._held: set[str] = set()  # prefill requests whose blocks wait for finished_sending
         self._addresses: list[str] = []
         # worker side
@@ -577,8 +597,16 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
                 for b, n in zip(chosen, self._ssm_spec, strict=True)]
 
     def on_new_request(self, request: Any) -> None:
-        """Prefill side, Mamba models: compute all but the last prompt token (the decode does it)."""
+        """A remote prefill's request is kept alive on its prefill while it waits here; on the
+        prefill side of a Mamba model, all but the last prompt token are computed (the decode
+        recomputes it)."""
         p = request.kv_transfer_params
+        if p and p.get("do_remote_prefill") and p.get("remote_request_id") and self._consumer:
+            # Queued here, maybe for minutes under load: the worker renews the prefill's hold
+            # (pdxfer's Renew) until the Expect takes over, so the send does not time out first.
+            pid = str(p["remote_request_id"])
+            self._queued[request.request_id] = pid
+            self._to_hold[pid] = list(p.get("remote_addresses") or [])
         if (self._backoff and p and p.get("do_remote_decode") and not p.get("_pdxfer_truncated")
                 and request.prompt_token_ids is not None and request.num_prompt_tokens > self._backoff):
             del request.prompt_token_ids[-self._backoff:]
@@ -616,6 +644,7 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         if not p or not p.get("do_remote_prefill"):
             return
         p["do_remote_prefill"] = False
+        self._queued.pop(request.request_id, None)  # the Expect (or nothing) follows: no hold
         if num_external_tokens <= 0:
             return
         addrs = list(p.get("remote_addresses") or [])
@@ -628,7 +657,8 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         """This step's expects and sends, handed to every worker."""
         meta = PdxferConnectorMetadata()
         meta.recv, meta.send = self._to_recv, self._to_send
-        self._to_recv, self._to_send = {}, {}
+        meta.hold, meta.unhold = self._to_hold, self._to_unhold
+        self._to_recv, self._to_send, self._to_hold, self._to_unhold = {}, {}, {}, set()
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -643,6 +673,10 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         if p.get("do_remote_prefill"):  # a decode request that ended before its blocks came
             p["do_remote_prefill"] = False
+            pid = self._queued.pop(request.request_id, None)
+            if pid is not None:
+                self._to_hold.pop(pid, None)
+                self._to_unhold.add(pid)
             return False, None
         if not p.get("do_remote_decode") or request.status not in (
                 self._status.FINISHED_LENGTH_CAPPED, self._status.FINISHED_STOPPED):
@@ -702,6 +736,16 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         """Expect this step's remote prefills; send this step's finished prefills."""
         meta = self._get_connector_metadata()
         rank = self._rank
+        if self.decode is not None:
+            for pid, addrs in meta.hold.items():
+                if len(addrs) == self._tp_size:  # a TP mismatch is refused at the Expect
+                    try:
+                        self.decode.hold(pid, addrs[rank])
+                    except PdxferError as exc:
+                        log.warning("pdxfer: cannot keep request %s alive on its prefill: %s",
+                                    pid, exc)
+            for pid in meta.unhold:
+                self.decode.unhold(pid)
         for rid, (pid, addrs, blocks, cached) in meta.recv.items():
             self._recving[rid] = (pid, blocks)
             try:
@@ -763,6 +807,8 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
                 self._stats.data["quarantine_s"].append(time.monotonic() - since)
             if state is KVPoll.Success:
                 self._stats.data["transfer_s"].append(out.stats.elapsed_s)
+                if out.stats.wire_s > 0:  # the decode sees one transfer's arrival, not its wire time
+                    self._stats.data["wire_s"].append(out.stats.wire_s)
                 self._stats.data["bytes"].append(out.stats.nbytes)
                 self._stats.data["segments"].append(out.stats.segments)
         kind = failure_kind(out.cause, out.reason) if state is KVPoll.Failed else ""

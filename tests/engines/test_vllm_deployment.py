@@ -68,8 +68,10 @@ import sys
 import vllm
 import vllm.distributed.kv_transfer.kv_connector.v1.base as base
 del base.SupportsHMA  # a later vLLM renaming one name pdxfer imports, standing in
-from vllm.plugins import load_general_plugins
-load_general_plugins()  # every vllm.general_plugins entry point, called without a guard
+from vllm.engine.arg_utils import EngineArgs
+# vLLM's start-up (what `vllm serve` parses first) runs every vllm.general_plugins entry point,
+# without a guard, pdxfer's among them
+EngineArgs(model="any-model")
 from pdxfer.integrations import vllm as connector
 try:
     connector.PdxferConnector(None, None, None)
@@ -243,6 +245,36 @@ def test_the_request_wait_is_serving_sized_unless_set_and_the_liveness_bound_sta
         chosen.close()
 
 
+def test_a_request_queued_on_the_decode_past_the_prefills_wait_is_kept_alive(model_dir) -> None:
+    wait = 3.0  # both sides' request wait: the decode renews every wait / 3
+    P = Engine(model_dir, "kv_producer", seed=36, request_timeout=wait)
+    D = Engine(model_dir, "kv_consumer", seed=37, request_timeout=wait, max_seqs=1)
+    try:
+        params, (src,) = prefill(P, "r36", 40)
+        blocker = request("local", 8, {}, 500, first=900)  # a local request in D's one slot
+        D.sched.add_request(blocker)
+        dreq = request("d36", 40, dict(params), 4)
+        D.sched.add_request(dreq)
+        D.step()  # the blocker runs; d36 queued, its hold handed to the worker
+        assert dreq.status is RequestStatus.WAITING
+        started = time.monotonic()
+        # three request waits pass with d36 queued (D not even stepped): without the renewals
+        # the prefill's send would fail after one, and the Expect would find it released
+        until(lambda: P.step() and time.monotonic() - started > 3 * wait, "three request waits",
+              deadline_s=60.0)
+        held = P.call(send_state, "r36")
+        assert held is not None and not held.finished, held  # the send still waits for d36
+        D.sched.finish_requests("local", RequestStatus.FINISHED_ABORTED)
+        until(lambda: (P.step(), D.step()) and dreq.status in LOADED
+              and "r36" not in P.sched.requests, "d36 to load after its wait")
+        want = block_bytes(P, "layer.1", src)
+        got = block_bytes(D, "layer.1", list(D.sched.kv_cache_manager.get_block_ids("d36")[0]))
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    finally:
+        P.close()
+        D.close()
+
+
 # -- items 6 and 8: metrics, identity ------------------------------------------------------------
 def _prom(cfg) -> tuple[CollectorRegistry, object]:
     reg = CollectorRegistry()
@@ -266,6 +298,8 @@ def test_the_stats_and_prometheus_series_read_back_what_was_moved(model_dir, cap
             assert s.data["bytes"] == [3 * BLOCK_BYTES] and s.data["failed"] == []
             assert len(s.data["transfer_s"]) == 1 and 0 < s.data["transfer_s"][0] < 30
         assert sent.data["segments"] == got.data["segments"] and sent.data["segments"][0] > 0
+        # the prefill's wire time (first write posted to last complete) within its elapsed time
+        assert len(sent.data["wire_s"]) == 1 and 0 < sent.data["wire_s"][0] <= sent.data["transfer_s"][0]
         line = got.reduce()
         assert line["Num successful transfers"] == 1 and line["Num failed transfers"] == 0
         assert line["Avg MB per transfer"] == round(3 * BLOCK_BYTES / 2**20, 3)
@@ -284,6 +318,13 @@ def test_the_stats_and_prometheus_series_read_back_what_was_moved(model_dir, cap
         assert sample("vllm:pdxfer_transfer_time_seconds_sum") == pytest.approx(got.data["transfer_s"][0])
         assert sample("vllm:pdxfer_num_segments_sum") == got.data["segments"][0]
         assert sample("vllm:pdxfer_quarantine_seconds_count") == 0
+        prom_p = PrometheusStatLogger(P.cfg)  # the prefill's, on its own (fresh) registry entries
+        for stats in P.side.scheduler_stats:
+            prom_p.record(scheduler_stats=stats, iteration_stats=None)
+        p_labels = {"model_name": P.cfg.model_config.served_model_name, "engine": "0"}
+        assert REGISTRY.get_sample_value("vllm:pdxfer_wire_time_seconds_sum", p_labels) == pytest.approx(
+            sent.data["wire_s"][0])
+        assert REGISTRY.get_sample_value("vllm:pdxfer_bytes_transferred_sum", p_labels) == 3 * BLOCK_BYTES
         # vLLM's log line: its logger folds the interval's stats and prints our reduce()
         logger = LoggingStatLogger(D.cfg)
         for stats in D.side.scheduler_stats:
