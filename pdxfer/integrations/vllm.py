@@ -48,7 +48,10 @@ or `PDXFER_CONFIG`; the host defaults to vLLM's `get_ip()`, and the
 per-request wait (`request_timeout`) to `SERVING_REQUEST_TIMEOUT` (300 s,
 SGLang's and NIXL's order of size: a decode request can sit minutes in D's
 waiting queue under load) while the liveness bound (`timeout`, 10 s) stays
-short, so a dead peer still fails its requests in seconds.
+short, so a dead peer still fails its requests in seconds. A decode request
+queued (added, not yet allocated) is kept alive on its prefill meanwhile
+(`DecodeEngine.hold`: pdxfer's Renew, from `on_new_request` until its
+Expect), so `request_timeout` bounds a silent decode, not a long queue.
 
 - **Aborts.** A decode request vLLM finishes while its KV is loading (an
   abort in `WAITING_FOR_REMOTE_KVS`) arrives in `finished_req_ids`; the
