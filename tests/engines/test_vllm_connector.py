@@ -25,6 +25,10 @@ from vllm_harness import (
 
 from pdxfer.integrations import vllm as connector_module
 
+# The module's first test pays for the fork server's one import of vLLM (a minute or more with
+# both cores busy).
+pytestmark = pytest.mark.timeout(600)
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
