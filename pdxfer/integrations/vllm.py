@@ -58,8 +58,9 @@ Expect), so `request_timeout` bounds a silent decode, not a long queue.
   worker aborts its pdxfer request at once, which tells the prefill (its
   send fails, its blocks are freed), and reports it finished once no byte
   can land.
-- **Load failures.** A failed receive is reported as its blocks
-  (`get_block_ids_with_load_errors`) for a single-group model, so
+- **Load failures.** A failed receive is reported as the blocks it was
+  loading (`get_block_ids_with_load_errors`; after a local prefix hit the
+  tail's only: the cached prefix is still good) for a single-group model, so
   `kv_load_failure_policy=recompute` recomputes those blocks and no others;
   a hybrid model's (block ids are not unique across groups there, and vLLM
   refuses them) as `failed_recving`, which recomputes the request.
@@ -70,9 +71,9 @@ Expect), so `request_timeout` bounds a silent decode, not a long queue.
   default) so two backends that would pick different layouts agree.
 - **Metrics.** `get_kv_connector_stats` / `build_kv_connector_stats` /
   `build_prom_metrics`: per transfer (one per TP rank, as vLLM aggregates
-  its workers' stats) bytes, segments and pdxfer's elapsed time, failures by
-  cause, quarantines and their duration, and the decode's prefix-cache
-  fallbacks (below); `vllm:pdxfer_*` series.
+  its workers' stats) bytes, segments, pdxfer's elapsed time and wire time,
+  failures by cause, quarantines and their duration, and the decode's
+  prefix-cache fallbacks (below); `vllm:pdxfer_*` series.
 - **The plugin edge.** `register()` never raises (vLLM calls plugins
   unguarded: one raise stops every vLLM process); it logs one warning.
   Constructing the connector without vLLM, or with a vLLM whose names moved,
