@@ -648,8 +648,11 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         if not p or not p.get("do_remote_prefill"):
             return
         p["do_remote_prefill"] = False
-        self._queued.pop(request.request_id, None)  # the Expect (or nothing) follows: no hold
+        held = self._queued.pop(request.request_id, None)  # the Expect takes over the hold
         if num_external_tokens <= 0:
+            if held is not None:  # computed here after all: no Expect, so stop renewing
+                self._to_hold.pop(held, None)
+                self._to_unhold.add(held)
             return
         addrs = list(p.get("remote_addresses") or [])
         # The unhashed blocks are the new ones: with a local prefix hit, the tail's only.
