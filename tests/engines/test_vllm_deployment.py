@@ -470,8 +470,10 @@ def _decode_many(P: Engine, D: Engine, params: dict, src: dict) -> None:
     assert sum(d.status is RequestStatus.WAITING_FOR_REMOTE_KVS for d in dreqs.values()) == n
     dst = {rid: list(D.sched.kv_cache_manager.get_block_ids(d.request_id)[0])
            for rid, d in dreqs.items()}
+    # done: every decode request loaded, every prefill request's blocks freed (finished_sending)
     until(lambda: (P.step(), D.step()) and all(d.status in LOADED for d in dreqs.values())
-          and not P.sched.connector.has_pending_push_work(), f"{n} transfers", deadline_s=120.0)
+          and not any(rid in P.sched.requests for rid in params), f"{n} transfers",
+          deadline_s=120.0)
     for rank in range(D.tp):  # rank r's blocks came from prefill rank r, each rank its own bytes
         for rid in params:
             want = P.bytes("layer.0", src[rid], rank=rank)
