@@ -48,15 +48,19 @@ or `PDXFER_CONFIG`; the host defaults to vLLM's `get_ip()`, and the
 per-request wait (`request_timeout`) to `SERVING_REQUEST_TIMEOUT` (300 s,
 SGLang's and NIXL's order of size: a decode request can sit minutes in D's
 waiting queue under load) while the liveness bound (`timeout`, 10 s) stays
-short, so a dead peer still fails its requests in seconds.
+short, so a dead peer still fails its requests in seconds. A decode request
+queued (added, not yet allocated) is kept alive on its prefill meanwhile
+(`DecodeEngine.hold`: pdxfer's Renew, from `on_new_request` until its
+Expect), so `request_timeout` bounds a silent decode, not a long queue.
 
 - **Aborts.** A decode request vLLM finishes while its KV is loading (an
   abort in `WAITING_FOR_REMOTE_KVS`) arrives in `finished_req_ids`; the
   worker aborts its pdxfer request at once, which tells the prefill (its
   send fails, its blocks are freed), and reports it finished once no byte
   can land.
-- **Load failures.** A failed receive is reported as its blocks
-  (`get_block_ids_with_load_errors`) for a single-group model, so
+- **Load failures.** A failed receive is reported as the blocks it was
+  loading (`get_block_ids_with_load_errors`; after a local prefix hit the
+  tail's only: the cached prefix is still good) for a single-group model, so
   `kv_load_failure_policy=recompute` recomputes those blocks and no others;
   a hybrid model's (block ids are not unique across groups there, and vLLM
   refuses them) as `failed_recving`, which recomputes the request.
@@ -67,23 +71,25 @@ short, so a dead peer still fails its requests in seconds.
   default) so two backends that would pick different layouts agree.
 - **Metrics.** `get_kv_connector_stats` / `build_kv_connector_stats` /
   `build_prom_metrics`: per transfer (one per TP rank, as vLLM aggregates
-  its workers' stats) bytes, segments and pdxfer's elapsed time, failures by
-  cause, quarantines and their duration, and the decode's prefix-cache
-  fallbacks (below); `vllm:pdxfer_*` series.
+  its workers' stats) bytes, segments, pdxfer's elapsed time and wire time,
+  failures by cause, quarantines and their duration, and the decode's
+  prefix-cache fallbacks (below); `vllm:pdxfer_*` series.
 - **The plugin edge.** `register()` never raises (vLLM calls plugins
   unguarded: one raise stops every vLLM process); it logs one warning.
   Constructing the connector without vLLM, or with a vLLM whose names moved,
   raises an `ImportError` saying which (the name, the vLLM version).
 
 Not supported (refused or reported with the reason): sliding-window groups,
-different TP sizes (refused by name), pipeline parallelism, sleep mode
-(`supports_sleep_mode` is False: registered memory is not re-registered), a
-decode-side prefix-cache hit on a remotely prefilled request of a hybrid
-(Mamba) model: the decode then computes the prompt itself, warns, counts it
-(`vllm:pdxfer_num_prefix_cache_fallbacks`), and the prefill's send waits
-out its `request_timeout`. Any other model's decode prefix hit loads only
-the uncached tail (`cached_blocks`, the engine's tail-only Expect), as NIXL
-does since vllm-project/vllm#48758.
+different TP sizes (refused by name: each decode request fails with "the
+prefill runs N TP ranks, this decode M"; its prefill's send waits out its
+`request_timeout`), pipeline parallelism, sleep mode (`supports_sleep_mode`
+is False: registered memory is not re-registered), and prefix caching on
+the decode of a hybrid (Mamba) model (refused at start-up: a local hit
+cannot resume the Mamba state the prefill sends). Should a hybrid decode
+see a local hit anyway, it computes the prompt itself, warns once per
+request and counts it (`vllm:pdxfer_num_prefix_cache_fallbacks`). Any other
+model's decode prefix hit loads only the uncached tail (`cached_blocks`,
+the engine's tail-only Expect), as NIXL does since vllm-project/vllm#48758.
 """
 
 from __future__ import annotations
@@ -314,10 +320,13 @@ class PdxferConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, each step: requests to expect (decode) and to send (prefill)."""
 
     def __init__(self) -> None:
-        self.recv: dict[str, tuple[str, list[str], list[list[int]]]] = {}  # id -> (pdxfer id, addrs, blocks)
+        # id -> (pdxfer id, addrs, tail blocks per group, cached blocks per group)
+        self.recv: dict[str, tuple[str, list[str], list[list[int]], list[int]]] = {}
         self.send: dict[str, list[list[int]]] = {}  # id -> blocks per group
         self.stream: dict[str, list[list[int]]] = {}  # id -> blocks, streamed by layer groups
         self.abort: list[str] = []  # streamed ids vLLM ended before handing them off
+        self.hold: dict[str, list[str]] = {}  # pdxfer id -> prefill addresses: keep alive
+        self.unhold: set[str] = set()  # pdxfer ids no longer queued here (ended unexpected)
 
 
 # ==== metrics ===============================================================================
@@ -356,7 +365,8 @@ def failure_kind(cause: BaseException | None, reason: str | None) -> str:
     return "aborted" if reason and "aborted" in reason else "unknown"
 
 
-_STAT_KEYS = ("transfer_s", "bytes", "segments", "failed", "quarantine_s", "prefix_fallbacks")
+_STAT_KEYS = ("transfer_s", "wire_s", "bytes", "segments", "failed", "quarantine_s",
+              "prefix_fallbacks")
 
 
 class PdxferKVConnectorStats(KVConnectorStats):
@@ -366,7 +376,10 @@ class PdxferKVConnectorStats(KVConnectorStats):
     request is n transfers, each rank's own bytes (vLLM aggregates its
     workers' stats by `aggregate`, as NIXL's connector's are). Lists, so
     aggregation is concatenation: `transfer_s` (pdxfer's elapsed time,
-    send/expect to finish), `bytes`, `segments` of successful transfers;
+    send/expect to finish), `wire_s` (pdxfer's `RequestStats.wire_s`, where
+    measured: always on the prefill, first write posted to last complete; on
+    the decode only for a request of several transfers), `bytes`, `segments`
+    of successful transfers;
     `failed` (one label per failed transfer, `failure_kind`); `quarantine_s`
     (how long a failed receive stayed Quarantined before it was safe);
     `prefix_fallbacks` (decode requests computed locally because of a local
@@ -399,14 +412,19 @@ class PdxferKVConnectorStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         """The interval in a few numbers, for vLLM's periodic log line."""
         t = np.asarray(self.data["transfer_s"], dtype=np.float64)
+        wire = np.asarray(self.data["wire_s"], dtype=np.float64)
         mb = np.asarray(self.data["bytes"], dtype=np.float64) / 2**20
         n = len(t)
+        # Throughput over the wire time where every transfer has one (the prefill's), else over
+        # the elapsed time (which includes the wait for the peer: a lower bound).
+        per = wire if len(wire) == n and wire.sum() > 0 else t
         out: dict[str, int | float] = {
             "Num successful transfers": n,
             "Avg transfer time (ms)": round(float(t.mean()) * 1e3, 3) if n else 0,
             "P90 transfer time (ms)": round(float(np.percentile(t, 90)) * 1e3, 3) if n else 0,
             "Avg MB per transfer": round(float(mb.mean()), 3) if n else 0,
-            "Throughput (MB/s)": round(float(mb.sum() / t.sum()), 3) if n and t.sum() > 0 else 0,
+            "Avg wire time (ms)": round(float(wire.mean()) * 1e3, 3) if len(wire) else 0,
+            "Throughput (MB/s)": round(float(mb.sum() / per.sum()), 3) if n and per.sum() > 0 else 0,
             "Avg segments": round(float(np.mean(self.data["segments"])), 1) if n else 0,
             "Num failed transfers": len(self.data["failed"]),
             "Num quarantined": len(self.data["quarantine_s"]),
@@ -433,6 +451,10 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
         self.transfer_s = per_engine(hist(
             name="vllm:pdxfer_transfer_time_seconds", labelnames=labelnames, buckets=seconds,
             documentation="pdxfer transfers: seconds from send/expect to the request's finish."))
+        self.wire_s = per_engine(hist(
+            name="vllm:pdxfer_wire_time_seconds", labelnames=labelnames, buckets=seconds,
+            documentation="pdxfer transfers: seconds on the wire, first write posted to last "
+                          "complete (the prefill's; the decode's for multi-transfer requests)."))
         self.bytes = per_engine(hist(
             name="vllm:pdxfer_bytes_transferred", labelnames=labelnames,
             buckets=[2 ** (10 + i) for i in range(1, 25, 2)],
@@ -457,7 +479,8 @@ class PdxferPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Record one interval's observations under the engine's labels."""
         d = transfer_stats_data
-        for metric, key in ((self.transfer_s, "transfer_s"), (self.bytes, "bytes"),
+        for metric, key in ((self.transfer_s, "transfer_s"), (self.wire_s, "wire_s"),
+                            (self.bytes, "bytes"),
                             (self.segments, "segments"), (self.quarantine_s, "quarantine_s")):
             for v in d.get(key, ()):
                 metric[engine_idx].observe(v)
@@ -499,6 +522,15 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_errors = len(kv_cache_config.kv_cache_groups) == 1
         # Mamba: the prefill stops one token short, the decode recomputes it (h(N-1) -> h(N)).
         self._backoff = 1 if kv_cache_config.has_mamba_layers else 0
+        if self._backoff and self._consumer and vllm_config.cache_config.enable_prefix_caching:
+            # A local hit hands the connector a prefix whose Mamba state the prefill never sent
+            # (it ships the state after the whole prompt): the decode would compute the prompt
+            # itself while the prefill's blocks wait out request_timeout.
+            raise ConfigError("PdxferConnector on the decode (kv_role "
+                              f"{ktc.kv_role!r}) of a hybrid (Mamba) model needs prefix caching "
+                              "off: a local prefix hit cannot resume the Mamba state the prefill "
+                              "sends; start the decode with --no-enable-prefix-caching (the "
+                              "prefill may keep it on)")
         given = ktc.get_from_extra_config("pdxfer", None)
         text = json.dumps(given) if given is not None else os.environ.get(CONFIG_ENV)
         self.config = engine_config(text, host=get_ip, request_timeout=SERVING_REQUEST_TIMEOUT)
@@ -507,6 +539,9 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM id -> (pdxfer id, prefill addresses, tail blocks per group, cached blocks per group)
         self._to_recv: dict[str, tuple[str, list[str], list[list[int]], list[int]]] = {}
         self._to_send: dict[str, list[list[int]]] = {}
+        self._to_hold: dict[str, list[str]] = {}
+        self._to_unhold: set[str] = set()
+        self._queued: dict[str, str] = {}  # decode: vLLM id -> pdxfer id, held until allocated
         self._held: set[str] = set()  # prefill requests whose blocks wait for finished_sending
         self._addresses: list[str] = []
         # worker side
@@ -570,8 +605,16 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
                 for b, n in zip(chosen, self._ssm_spec, strict=True)]
 
     def on_new_request(self, request: Any) -> None:
-        """Prefill side, Mamba models: compute all but the last prompt token (the decode does it)."""
+        """A remote prefill's request is kept alive on its prefill while it waits here; on the
+        prefill side of a Mamba model, all but the last prompt token are computed (the decode
+        recomputes it)."""
         p = request.kv_transfer_params
+        if p and p.get("do_remote_prefill") and p.get("remote_request_id") and self._consumer:
+            # Queued here, maybe for minutes under load: the worker renews the prefill's hold
+            # (pdxfer's Renew) until the Expect takes over, so the send does not time out first.
+            pid = str(p["remote_request_id"])
+            self._queued[request.request_id] = pid
+            self._to_hold[pid] = list(p.get("remote_addresses") or [])
         if (self._backoff and p and p.get("do_remote_decode") and not p.get("_pdxfer_truncated")
                 and request.prompt_token_ids is not None and request.num_prompt_tokens > self._backoff):
             del request.prompt_token_ids[-self._backoff:]
@@ -610,7 +653,11 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         if not p or not p.get("do_remote_prefill"):
             return
         p["do_remote_prefill"] = False
+        held = self._queued.pop(request.request_id, None)  # the Expect takes over the hold
         if num_external_tokens <= 0:
+            if held is not None:  # computed here after all: no Expect, so stop renewing
+                self._to_hold.pop(held, None)
+                self._to_unhold.add(held)
             return
         addrs = list(p.get("remote_addresses") or [])
         # The unhashed blocks are the new ones: with a local prefix hit, the tail's only.
@@ -622,7 +669,8 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         """This step's expects and sends, handed to every worker."""
         meta = PdxferConnectorMetadata()
         meta.recv, meta.send = self._to_recv, self._to_send
-        self._to_recv, self._to_send = {}, {}
+        meta.hold, meta.unhold = self._to_hold, self._to_unhold
+        self._to_recv, self._to_send, self._to_hold, self._to_unhold = {}, {}, {}, set()
         self._stream_meta(scheduler_output, meta)
         meta.abort, self._to_abort = meta.abort + self._to_abort, []
         return meta
@@ -642,6 +690,10 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
             return streamed
         if p.get("do_remote_prefill"):  # a decode request that ended before its blocks came
             p["do_remote_prefill"] = False
+            pid = self._queued.pop(request.request_id, None)
+            if pid is not None:
+                self._to_hold.pop(pid, None)
+                self._to_unhold.add(pid)
             return False, None
         if not p.get("do_remote_decode") or request.status not in (
                 self._status.FINISHED_LENGTH_CAPPED, self._status.FINISHED_STOPPED):
@@ -714,6 +766,16 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
         """Expect this step's remote prefills; send this step's finished prefills."""
         meta = self._get_connector_metadata()
         rank = self._rank
+        if self.decode is not None:
+            for pid, addrs in meta.hold.items():
+                if len(addrs) == self._tp_size:  # a TP mismatch is refused at the Expect
+                    try:
+                        self.decode.hold(pid, addrs[rank])
+                    except PdxferError as exc:
+                        log.warning("pdxfer: cannot keep request %s alive on its prefill: %s",
+                                    pid, exc)
+            for pid in meta.unhold:
+                self.decode.unhold(pid)
         for rid, (pid, addrs, blocks, cached) in meta.recv.items():
             self._recving[rid] = (pid, blocks)
             try:
@@ -871,6 +933,8 @@ class PdxferConnector(KVConnectorBase_V1, SupportsHMA):
                 self._stats.data["quarantine_s"].append(time.monotonic() - since)
             if state is KVPoll.Success:
                 self._stats.data["transfer_s"].append(out.stats.elapsed_s)
+                if out.stats.wire_s > 0:  # the decode sees one transfer's arrival, not its wire time
+                    self._stats.data["wire_s"].append(out.stats.wire_s)
                 self._stats.data["bytes"].append(out.stats.nbytes)
                 self._stats.data["segments"].append(out.stats.segments)
         kind = failure_kind(out.cause, out.reason) if state is KVPoll.Failed else ""

@@ -1,7 +1,8 @@
 """pdxfer's vLLM connector as people deploy it (#31): the plugin edge, aborts, load failures,
 serving timeouts, identity, metrics, a local prefix hit, many requests in flight.
 
-vLLM's real scheduler in both roles, as tests/engines/vllm_harness.py sets it up.
+vLLM's real scheduler in both roles, each engine's worker-side connector in processes of its
+own (one per TP rank), as tests/engines/vllm_harness.py sets them up.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.utils import (
     KVOutputAggregator,
     get_kv_connector_cache_layout,
@@ -25,18 +26,27 @@ from vllm_harness import (
     BLOCK,
     HEAD,
     HEADS,
-    Side,
-    TPSides,
+    Engine,
+    WorkerDied,
     block_bytes,
+    die_mid_transfer,
+    logged,
     prefill,
     request,
+    send_state,
     until,
+    waits,
     write_model,
 )
 
 from pdxfer.config import KVPoll
+from pdxfer.errors import ConfigError
 from pdxfer.integrations import vllm as connector_module
 from pdxfer.integrations.vllm import PdxferConnector, PdxferKVConnectorStats
+
+# The module's first test pays for the fork server's one import of vLLM (a minute or more with
+# both cores busy); every test then runs several engines' worker processes.
+pytestmark = pytest.mark.timeout(600)
 
 BLOCK_BYTES = 2 * 2 * BLOCK * HEADS * HEAD * 2  # both layers' K and V of one block, fp16
 # a decode request whose KV loaded: running, or already done with its two tokens
@@ -48,7 +58,7 @@ def model_dir(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("model"))
 
 
-def merged(side: Side) -> PdxferKVConnectorStats:
+def merged(side: Engine) -> PdxferKVConnectorStats:
     """Everything the side's scheduler handed its loggers, as vLLM's logger rebuilds it."""
     total = PdxferConnector.build_kv_connector_stats()
     for data in side.stats:
@@ -62,8 +72,10 @@ import sys
 import vllm
 import vllm.distributed.kv_transfer.kv_connector.v1.base as base
 del base.SupportsHMA  # a later vLLM renaming one name pdxfer imports, standing in
-from vllm.plugins import load_general_plugins
-load_general_plugins()  # every vllm.general_plugins entry point, called without a guard
+from vllm.engine.arg_utils import EngineArgs
+# vLLM's start-up (what `vllm serve` parses first) runs every vllm.general_plugins entry point,
+# without a guard, pdxfer's among them
+EngineArgs(model="any-model")
 from pdxfer.integrations import vllm as connector
 try:
     connector.PdxferConnector(None, None, None)
@@ -115,24 +127,26 @@ def test_without_vllm_the_plugin_warns_and_the_connector_says_install_it() -> No
 # -- item 2: aborts ------------------------------------------------------------------------------
 def test_an_abort_while_loading_reaches_the_prefill_within_a_second(model_dir) -> None:
     # Long request waits: without the abort being passed on, nothing would end this for a minute.
-    P = Side(model_dir, "kv_producer", seed=21, request_timeout=60.0)
-    D = Side(model_dir, "kv_consumer", seed=22, request_timeout=60.0)
+    P = Engine(model_dir, "kv_producer", seed=21, request_timeout=60.0)
+    D = Engine(model_dir, "kv_consumer", seed=22, request_timeout=60.0)
     try:
         free_p, free_d = P.free_blocks(), D.free_blocks()
-        params, _ = prefill(P, "r21", 40)  # finished; P's next step issues the send
+        params, _ = prefill(P, "r21", 40)  # finished: P's next step issues the send
         dreq = request("d21", 40, dict(params), 4)
         D.sched.add_request(dreq)
         D.step()  # allocated, the Expect on its way to P
         assert dreq.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         d_blocks = list(D.sched.kv_cache_manager.get_block_ids("d21")[0])
         before = block_bytes(D, "layer.0", d_blocks)
+        # P's engine holds the Expect: a send issued now would write into the decode's blocks
+        until(lambda: P.call(send_state, "r21") is not None, "the prefill to hold d21's Expect")
 
         started = time.monotonic()
         D.sched.finish_requests("d21", RequestStatus.FINISHED_ABORTED)  # the client went away
-        D.step()  # finished_req_ids reaches the worker
-        # the prefill's engine has heard (before P sends: else its send would race the abort)
-        until(lambda: P.worker.prefill.try_poll("r21") is KVPoll.Failed,
-              "the prefill to hear of the abort", deadline_s=5.0)
+        D.step()  # finished_req_ids reaches the worker, which aborts in pdxfer
+        until(lambda: P.call(send_state, "r21") is KVPoll.Failed, "the prefill to hear of the abort",
+              deadline_s=5.0)
+        heard = time.monotonic() - started
 
         def both_freed() -> bool:
             P.step()
@@ -141,44 +155,60 @@ def test_an_abort_while_loading_reaches_the_prefill_within_a_second(model_dir) -
 
         until(both_freed, "both sides to free the aborted request's blocks", deadline_s=5.0)
         took = time.monotonic() - started
-        assert took < 1.0, f"the abort took {took:.2f} s to free the prefill's blocks"
+        assert heard < 1.0 and took < 1.0, f"the prefill heard in {heard:.2f} s, freed in {took:.2f} s"
         assert not P.sched.connector.has_pending_push_work()
         after = block_bytes(D, "layer.0", d_blocks)
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # nothing landed
-        assert "aborted" in merged(D).data["failed"]  # counted, by its cause
+        assert merged(D).data["failed"] == ["aborted"]  # counted by its cause
+        assert merged(P).data["failed"] and merged(P).data["bytes"] == []
     finally:
         P.close()
         D.close()
 
 
 # -- item 3: load failures -----------------------------------------------------------------------
-def test_a_prefill_lost_with_a_request_in_flight_recomputes_exactly_its_blocks(model_dir) -> None:
-    P1 = Side(model_dir, "kv_producer", seed=23)
-    P2 = Side(model_dir, "kv_producer", seed=24)
-    D = Side(model_dir, "kv_consumer", seed=25, policy="recompute", timeout=1.0)
+SYSTEM = list(range(500, 532))  # a 32-token system prompt: two whole blocks every request shares
+
+
+def test_a_prefill_dying_mid_transfer_recomputes_exactly_the_blocks_it_did_not_deliver(model_dir) -> None:
+    # D holds the shared system prompt in its prefix cache; d-bad loads only its third block, from
+    # P2, which dies halfway through writing it; d-ok loads from P1 meanwhile.
+    P1 = Engine(model_dir, "kv_producer", seed=23, request_timeout=60.0)
+    P2 = Engine(model_dir, "kv_producer", seed=24, request_timeout=60.0)
+    D = Engine(model_dir, "kv_consumer", seed=25, policy="recompute", timeout=2.0,
+               request_timeout=60.0, prefix_caching=True)
     try:
-        ok_params, (ok_src,) = prefill(P1, "ok", 40, first=3)
-        bad_params, _ = prefill(P2, "bad", 40, first=300)
-        d_ok = request("d-ok", 40, dict(ok_params), 4, first=3)
-        d_bad = request("d-bad", 40, dict(bad_params), 4, first=300)
+        warm_params, _ = prefill(P1, "warm", 40, tokens=SYSTEM + list(range(8)))
+        warm = request("d-warm", 40, dict(warm_params), 100, tokens=SYSTEM + list(range(8)))
+        D.sched.add_request(warm)
+        until(lambda: (P1.step(), D.step()) and warm.status is RequestStatus.RUNNING, "the warm-up")
+        warm_blocks = list(D.sched.kv_cache_manager.get_block_ids("d-warm")[0])
+        D.sched.finish_requests("d-warm", RequestStatus.FINISHED_ABORTED)  # its blocks: cached
+        ok_params, (ok_src,) = prefill(P1, "ok", 40, first=300)
+        bad_tokens = SYSTEM + list(range(100, 108))
+        bad_params, (bad_src,) = prefill(P2, "bad", 40, tokens=bad_tokens)
+        sent = [t for layer in ("layer.0", "layer.1") for t in block_bytes(P2, layer, bad_src[2:])]
+        P2.call(die_mid_transfer)
+        d_ok = request("d-ok", 40, dict(ok_params), 4, first=300)
+        d_bad = request("d-bad", 40, dict(bad_params), 4, tokens=bad_tokens)
         D.sched.add_request(d_ok)
         D.sched.add_request(d_bad)
         D.step()
         assert d_ok.status is d_bad.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         ok_blocks = list(D.sched.kv_cache_manager.get_block_ids("d-ok")[0])
         bad_blocks = list(D.sched.kv_cache_manager.get_block_ids("d-bad")[0])
-        until(lambda: P2.worker.prefill.try_poll("bad") is not None, "P2 to hold d-bad's Expect")
-        P2.worker.shutdown()  # the prefill goes away with d-bad's blocks not shipped
+        assert bad_blocks[:2] == warm_blocks[:2]  # the system prompt's two blocks: a local hit
+        tail = bad_blocks[2:]
+        until(lambda: P2.call(send_state, "bad") is not None, "P2 to hold d-bad's Expect")
 
-        reported: list[set[int]] = []
-        real = D.worker.get_block_ids_with_load_errors
+        def p2_gone() -> bool:
+            try:
+                P2.step()  # issues the send: half of it is written, then the process is killed
+            except WorkerDied:
+                return True
+            return not all(p.is_alive() for p in P2.procs)
 
-        def spy() -> set[int]:
-            got = real()
-            reported.append(set(got))
-            return got
-
-        D.worker.get_block_ids_with_load_errors = spy
+        until(p2_gone, "P2 to die in the transfer")
         recomputed: dict[str, int] = {}
 
         def settled() -> bool:
@@ -186,16 +216,23 @@ def test_a_prefill_lost_with_a_request_in_flight_recomputes_exactly_its_blocks(m
             so, _ = D.step()
             if "d-bad" in so.num_scheduled_tokens:
                 recomputed.setdefault("d-bad", so.num_scheduled_tokens["d-bad"])
-            return d_ok.status is RequestStatus.RUNNING and "d-bad" in recomputed
+            return d_ok.status in LOADED and "d-bad" in recomputed
 
         until(settled, "d-ok to load and d-bad to be recomputed")
-        assert set().union(*reported) == set(bad_blocks)  # exactly the failed request's blocks
-        assert not set(ok_blocks) & set().union(*reported)
-        assert recomputed["d-bad"] == 40  # every block of it failed: its whole prompt
-        assert d_bad.status is RequestStatus.RUNNING  # recomputed, not failed
+        # the prefill died mid-transfer: of the tail block's four tensors (K and V of two layers)
+        # some landed before it died and some never came
+        got = [t for layer in ("layer.0", "layer.1") for t in block_bytes(D, layer, tail)]
+        landed = [torch.equal(a, b) for a, b in zip(sent, got, strict=True)]
+        assert any(landed) and not all(landed), landed
+        # vLLM was told exactly the blocks that did not arrive whole: d-bad's tail, not its
+        # cached prefix (shared with d-warm) and not d-ok's
+        assert D.invalid == [set(tail)]
+        assert recomputed["d-bad"] == 8  # the recompute policy redid the tail block's 8 tokens
+        assert d_bad.status in LOADED  # recomputed, not failed
         want = block_bytes(P1, "layer.1", ok_src)
         assert all(torch.equal(a, b) for a, b in zip(want, block_bytes(D, "layer.1", ok_blocks),
                                                      strict=True))
+        assert len(merged(D).data["failed"]) == 1 and merged(D).data["failed"][0] != "aborted"
     finally:
         P1.close()
         P2.close()
@@ -204,15 +241,46 @@ def test_a_prefill_lost_with_a_request_in_flight_recomputes_exactly_its_blocks(m
 
 # -- item 4: timeouts ----------------------------------------------------------------------------
 def test_the_request_wait_is_serving_sized_unless_set_and_the_liveness_bound_stays_short(model_dir) -> None:
-    by_default = Side(model_dir, "kv_consumer", timeout=3.0, request_timeout=None)
-    chosen = Side(model_dir, "kv_consumer", timeout=3.0, request_timeout=7.0)
+    by_default = Engine(model_dir, "kv_consumer", timeout=3.0, request_timeout=None)
+    chosen = Engine(model_dir, "kv_consumer", timeout=3.0, request_timeout=7.0)
     try:
-        assert by_default.worker.config.request_wait == connector_module.SERVING_REQUEST_TIMEOUT == 300.0
-        assert by_default.worker.config.timeout == 3.0  # a dead peer still fails in seconds
-        assert chosen.worker.config.request_wait == 7.0
+        # a dead peer still fails in seconds, a queued request waits minutes
+        assert by_default.call(waits) == (connector_module.SERVING_REQUEST_TIMEOUT, 3.0)
+        assert connector_module.SERVING_REQUEST_TIMEOUT == 300.0
+        assert chosen.call(waits) == (7.0, 3.0)
     finally:
         by_default.close()
         chosen.close()
+
+
+def test_a_request_queued_on_the_decode_past_the_prefills_wait_is_kept_alive(model_dir) -> None:
+    wait = 3.0  # both sides' request wait: the decode renews every wait / 3
+    P = Engine(model_dir, "kv_producer", seed=36, request_timeout=wait)
+    D = Engine(model_dir, "kv_consumer", seed=37, request_timeout=wait, max_seqs=1)
+    try:
+        params, (src,) = prefill(P, "r36", 40)
+        blocker = request("local", 8, {}, 500, first=900)  # a local request in D's one slot
+        D.sched.add_request(blocker)
+        dreq = request("d36", 40, dict(params), 4)
+        D.sched.add_request(dreq)
+        D.step()  # the blocker runs; d36 queued, its hold handed to the worker
+        assert dreq.status is RequestStatus.WAITING
+        started = time.monotonic()
+        # three request waits pass with d36 queued (D not even stepped): without the renewals
+        # the prefill's send would fail after one, and the Expect would find it released
+        until(lambda: P.step() and time.monotonic() - started > 3 * wait, "three request waits",
+              deadline_s=60.0)
+        held = P.call(send_state, "r36")
+        assert held is not None and not held.finished, held  # the send still waits for d36
+        D.sched.finish_requests("local", RequestStatus.FINISHED_ABORTED)
+        until(lambda: (P.step(), D.step()) and dreq.status in LOADED
+              and "r36" not in P.sched.requests, "d36 to load after its wait")
+        want = block_bytes(P, "layer.1", src)
+        got = block_bytes(D, "layer.1", list(D.sched.kv_cache_manager.get_block_ids("d36")[0]))
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    finally:
+        P.close()
+        D.close()
 
 
 # -- items 6 and 8: metrics, identity ------------------------------------------------------------
@@ -224,34 +292,55 @@ def _prom(cfg) -> tuple[CollectorRegistry, object]:
 
 
 def test_the_stats_and_prometheus_series_read_back_what_was_moved(model_dir) -> None:
-    P, D = Side(model_dir, "kv_producer", seed=26), Side(model_dir, "kv_consumer", seed=27)
+    from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+
+    P, D = Engine(model_dir, "kv_producer", seed=26), Engine(model_dir, "kv_consumer", seed=27)
     try:
         params, _ = prefill(P, "r26", 40)
         dreq = request("d26", 40, dict(params), 4)
         D.sched.add_request(dreq)
-
-        def done() -> bool:
-            P.step()
-            D.step()
-            return dreq.status is RequestStatus.RUNNING and "r26" not in P.sched.requests
-
-        until(done, "the transfer")
+        until(lambda: (P.step(), D.step()) and dreq.status in LOADED
+              and "r26" not in P.sched.requests, "the transfer")
         sent, got = merged(P), merged(D)
         for s in (sent, got):  # vLLM's scheduler carried them to its loggers, both roles alike
             assert s.data["bytes"] == [3 * BLOCK_BYTES] and s.data["failed"] == []
-            assert len(s.data["transfer_s"]) == 1 and s.data["transfer_s"][0] > 0
+            assert len(s.data["transfer_s"]) == 1 and 0 < s.data["transfer_s"][0] < 30
         assert sent.data["segments"] == got.data["segments"] and sent.data["segments"][0] > 0
+        # the prefill's wire time (first write posted to last complete) within its elapsed time
+        assert len(sent.data["wire_s"]) == 1 and 0 < sent.data["wire_s"][0] <= sent.data["transfer_s"][0]
         line = got.reduce()
         assert line["Num successful transfers"] == 1 and line["Num failed transfers"] == 0
         assert line["Avg MB per transfer"] == round(3 * BLOCK_BYTES / 2**20, 3)
 
-        reg, prom = _prom(D.cfg)
-        prom.observe(got.data, 0)
-        labels = {"model_name": "m", "engine": "0"}
-        assert reg.get_sample_value("vllm:pdxfer_bytes_transferred_sum", labels) == 3 * BLOCK_BYTES
-        assert reg.get_sample_value("vllm:pdxfer_bytes_transferred_count", labels) == 1
-        assert reg.get_sample_value("vllm:pdxfer_transfer_time_seconds_sum", labels) == pytest.approx(
-            got.data["transfer_s"][0])
+        # vLLM's own Prometheus logger, fed the SchedulerStats the decode's scheduler produced
+        prom = PrometheusStatLogger(D.cfg)
+        for stats in D.side.scheduler_stats:
+            prom.record(scheduler_stats=stats, iteration_stats=None)
+        labels = {"model_name": D.cfg.model_config.served_model_name, "engine": "0"}
+
+        def sample(name: str) -> float | None:
+            return REGISTRY.get_sample_value(name, labels)
+
+        assert sample("vllm:pdxfer_bytes_transferred_sum") == 3 * BLOCK_BYTES
+        assert sample("vllm:pdxfer_bytes_transferred_count") == 1
+        assert sample("vllm:pdxfer_transfer_time_seconds_sum") == pytest.approx(got.data["transfer_s"][0])
+        assert sample("vllm:pdxfer_num_segments_sum") == got.data["segments"][0]
+        assert sample("vllm:pdxfer_quarantine_seconds_count") == 0
+        prom_p = PrometheusStatLogger(P.cfg)  # the prefill's, on its own (fresh) registry entries
+        for stats in P.side.scheduler_stats:
+            prom_p.record(scheduler_stats=stats, iteration_stats=None)
+        p_labels = {"model_name": P.cfg.model_config.served_model_name, "engine": "0"}
+        assert REGISTRY.get_sample_value("vllm:pdxfer_wire_time_seconds_sum", p_labels) == pytest.approx(
+            sent.data["wire_s"][0])
+        assert REGISTRY.get_sample_value("vllm:pdxfer_bytes_transferred_sum", p_labels) == 3 * BLOCK_BYTES
+        # vLLM's log line: its logger folds the interval's stats and prints our reduce()
+        logger = LoggingStatLogger(D.cfg)
+        for stats in D.side.scheduler_stats:
+            logger.record(scheduler_stats=stats, iteration_stats=None)
+        lines: list[str] = []
+        logger.kv_connector_logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+        assert len(lines) == 1 and "Num successful transfers=1," in lines[0], lines
+        assert f"Avg MB per transfer={round(3 * BLOCK_BYTES / 2**20, 3)}," in lines[0]
 
         # TP 2: vLLM's own aggregator folds the two workers' stats into one (a transfer per rank)
         outs = []
@@ -269,22 +358,23 @@ def test_the_stats_and_prometheus_series_read_back_what_was_moved(model_dir) -> 
         D.close()
 
 
-def test_engines_serving_different_models_are_refused_by_name(model_dir, tmp_path, caplog) -> None:
+def test_engines_serving_different_models_are_refused_by_name(model_dir, tmp_path) -> None:
     other = write_model(tmp_path / "another-model")  # same shapes: only the identity tells
     assert PdxferConnector.get_required_kvcache_layout(None) is None
-    P = Side(model_dir, "kv_producer", seed=28, timeout=1.0, request_timeout=1.0)
-    D = Side(other, "kv_consumer", seed=29)
+    P = Engine(model_dir, "kv_producer", seed=28, timeout=1.0, request_timeout=1.0)
+    D = Engine(other, "kv_consumer", seed=29)
     try:
         assert get_kv_connector_cache_layout(D.cfg) == "LBNHC"  # what vLLM asks its backends for
         params, _ = prefill(P, "r28", 40)
-        before = D.caches["layer.0"].clone().view(torch.int16)
+        everything = list(range(D.side.blocks))
+        before = block_bytes(D, "layer.0", everything)
         dreq = request("d28", 40, dict(params), 4)
         D.sched.add_request(dreq)
-        with caplog.at_level(logging.WARNING, logger="pdxfer.vllm"):
-            until(lambda: D.step() and dreq.is_finished(), "the decode request to be refused")
+        until(lambda: D.step() and dreq.is_finished(), "the decode request to be refused")
         assert dreq.status is RequestStatus.FINISHED_ERROR
-        assert torch.equal(before, D.caches["layer.0"].view(torch.int16))  # not a byte written
-        refusal = [r.getMessage() for r in caplog.records if "transfer of d28 failed" in r.getMessage()]
+        after = block_bytes(D, "layer.0", everything)
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # not a byte
+        refusal = [m for m in D.call(logged) if "transfer of d28 failed" in m]
         assert len(refusal) == 1 and "layout mismatch" in refusal[0]
         assert f"model={model_dir} " in refusal[0] and f"model={other} " in refusal[0]
         assert merged(D).data["failed"] == ["LayoutMismatchError"]
@@ -298,141 +388,134 @@ def test_engines_serving_different_models_are_refused_by_name(model_dir, tmp_pat
 
 
 # -- item 1: a local prefix hit on the decode loads only the uncached tail ------------------------
-def test_a_local_prefix_hit_on_the_decode_loads_only_the_tail(model_dir, caplog) -> None:
-    P, D = Side(model_dir, "kv_producer", seed=30), Side(model_dir, "kv_consumer", seed=31)
+def test_shared_prefix_requests_ship_only_the_tail_and_free_the_prefill_at_once(model_dir, caplog) -> None:
+    # Long waits: a prefill send the decode never expected would hold its blocks for a minute.
+    P = Engine(model_dir, "kv_producer", seed=30, request_timeout=60.0, prefix_caching=True)
+    D = Engine(model_dir, "kv_consumer", seed=31, request_timeout=60.0, prefix_caching=True)
     try:
+        free_p = P.free_blocks()
+        prompts = {"a": SYSTEM + list(range(8)), "b": SYSTEM + list(range(50, 58))}
         src, dst, before = {}, {}, None
-        for rid in ("a", "b"):  # the same prompt twice: b's first two blocks are cached on D
-            params, src[rid] = prefill(P, f"r30{rid}", 40)
-            dreq = request(f"d30{rid}", 40, dict(params), 4)
+        for rid, tokens in prompts.items():  # b shares a's first two blocks (the system prompt)
+            params, (src[rid],) = prefill(P, f"r30{rid}", 40, tokens=tokens)
+            dreq = request(f"d30{rid}", 40, dict(params), 4, tokens=tokens)
             D.sched.add_request(dreq)
             if rid == "b":  # canaries: the cached prefix blocks (a's) must not be written
                 before = block_bytes(D, "layer.0", dst["a"][:2])
+            started = time.monotonic()
             with caplog.at_level(logging.WARNING, logger="pdxfer.vllm"):
-                until(lambda dreq=dreq: (P.step(), D.step()) and dreq.status is RequestStatus.RUNNING
-                      and not P.sched.connector.has_pending_push_work(), f"d30{rid} to run")
+                # freed at once: well inside the 60 s request wait the prefill would otherwise hold
+                until(lambda dreq=dreq: (P.step(), D.step()) and dreq.status in LOADED
+                      and P.free_blocks() == free_p, f"d30{rid} to load and P to free its blocks",
+                      deadline_s=20.0)
+            freed_in = time.monotonic() - started
+            assert P.call(send_state, f"r30{rid}") is None  # released by vLLM's finished_sending
+            assert not P.sched.connector.has_pending_push_work()
             dst[rid] = list(D.sched.kv_cache_manager.get_block_ids(f"d30{rid}")[0])
+        assert freed_in < 20.0
         assert dst["b"][:2] == dst["a"][:2]  # the hit: b reuses a's first two blocks
-        want = block_bytes(P, "layer.0", src["b"][0][2:])
+        want = block_bytes(P, "layer.0", src["b"][2:])
         got = block_bytes(D, "layer.0", dst["b"][2:])
         assert all(torch.equal(x, y) for x, y in zip(want, got, strict=True))  # the tail landed
         after = block_bytes(D, "layer.0", dst["a"][:2])
         assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
         assert not [r for r in caplog.records if "cached locally" in r.getMessage()]
-        assert merged(D).data["prefix_fallbacks"] == []
-        assert len(merged(D).data["bytes"]) == 2 and merged(D).data["failed"] == []
-        assert merged(D).data["bytes"][1] * 3 == merged(D).data["bytes"][0]  # one block of three
+        for side in (P, D):  # one block of three shipped for b, on both sides' counts
+            assert merged(side).data["bytes"] == [3 * BLOCK_BYTES, BLOCK_BYTES]
+            assert merged(side).data["failed"] == []
     finally:
         P.close()
         D.close()
 
 
-# -- item 5: many requests in flight, and a TP mismatch refused by name ---------------------------
+def test_a_hybrid_decode_with_prefix_caching_is_refused_at_start_up(model_dir) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_harness import Side
+
+    # a local hit cannot resume a Mamba state, so the decode would compute the prompt itself
+    # while its prefill's blocks wait: refused where vLLM builds the connector, by what to change
+    for role in ("kv_consumer", "kv_both"):
+        side = Side(model_dir, role, hybrid=True, prefix_caching=True, worker_only=True)
+        with pytest.raises(ConfigError, match=r"hybrid \(Mamba\) model.*--no-enable-prefix-caching"):
+            KVConnectorFactory.create_connector(side.cfg, KVConnectorRole.SCHEDULER, side.kvc)
+    # the prefill's own prefix cache is no matter: it ships the state after the whole prompt
+    side = Side(model_dir, "kv_producer", hybrid=True, prefix_caching=True, worker_only=True)
+    KVConnectorFactory.create_connector(side.cfg, KVConnectorRole.SCHEDULER, side.kvc).shutdown()
+
+
+# -- item 5: many requests in flight, TP 2, and a TP mismatch refused by name ---------------------
+def _prefill_many(P: Engine, n: int) -> tuple[dict, dict]:
+    reqs = {f"r{i}": request(f"r{i}", 20, {"do_remote_decode": True}, 1, first=3 + 13 * i)
+            for i in range(n)}
+    for r in reqs.values():
+        P.sched.add_request(r)
+    params, src = {}, {}
+    while len(params) < n:
+        so, eco = P.step()
+        for rid in so.num_scheduled_tokens:
+            src[rid] = list(P.sched.kv_cache_manager.get_block_ids(rid)[0])
+        params.update({o.request_id: o.kv_transfer_params for e in eco.values()
+                       for o in e.outputs if o.finished})
+    return params, src
+
+
+def _decode_many(P: Engine, D: Engine, params: dict, src: dict) -> None:
+    n = len(params)
+    dreqs = {rid: request(f"d{rid}", 20, dict(params[rid]), 2, first=3 + 13 * int(rid[1:]))
+             for rid in params}
+    for d in dreqs.values():
+        D.sched.add_request(d)
+    D.step()
+    assert sum(d.status is RequestStatus.WAITING_FOR_REMOTE_KVS for d in dreqs.values()) == n
+    dst = {rid: list(D.sched.kv_cache_manager.get_block_ids(d.request_id)[0])
+           for rid, d in dreqs.items()}
+    # done: every decode request loaded, every prefill request's blocks freed (finished_sending)
+    until(lambda: (P.step(), D.step()) and all(d.status in LOADED for d in dreqs.values())
+          and not any(rid in P.sched.requests for rid in params), f"{n} transfers",
+          deadline_s=120.0)
+    for rank in range(D.tp):  # rank r's blocks came from prefill rank r, each rank its own bytes
+        for rid in params:
+            want = P.bytes("layer.0", src[rid], rank=rank)
+            got = D.bytes("layer.0", dst[rid], rank=rank)
+            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), (rank, rid)
+    assert len(merged(D).data["bytes"]) == D.tp * n and merged(D).data["failed"] == []
+
+
 def test_64_requests_in_flight_all_land(model_dir) -> None:
     n = 64
-    P = Side(model_dir, "kv_producer", seed=32, blocks=256, max_seqs=n, request_timeout=60.0)
-    D = Side(model_dir, "kv_consumer", seed=33, blocks=256, max_seqs=n, request_timeout=60.0)
+    P = Engine(model_dir, "kv_producer", seed=32, blocks=256, max_seqs=n, request_timeout=60.0)
+    D = Engine(model_dir, "kv_consumer", seed=33, blocks=256, max_seqs=n, request_timeout=60.0)
     try:
-        reqs = {f"r{i}": request(f"r{i}", 20, {"do_remote_decode": True}, 1, first=3 + 13 * i)
-                for i in range(n)}
-        for r in reqs.values():
-            P.sched.add_request(r)
-        params, src = {}, {}
-        while len(params) < n:
-            so, eco = P.step()
-            for rid in so.num_scheduled_tokens:
-                src[rid] = list(P.sched.kv_cache_manager.get_block_ids(rid)[0])
-            params.update({o.request_id: o.kv_transfer_params for e in eco.values()
-                           for o in e.outputs if o.finished})
-        dreqs = {rid: request(f"d{rid}", 20, dict(params[rid]), 2, first=3 + 13 * int(rid[1:]))
-                 for rid in reqs}
-        for d in dreqs.values():
-            D.sched.add_request(d)
-        D.step()
-        waiting = sum(d.status is RequestStatus.WAITING_FOR_REMOTE_KVS for d in dreqs.values())
-        assert waiting == n  # all 64 Expects out at once
-        dst = {rid: list(D.sched.kv_cache_manager.get_block_ids(d.request_id)[0])
-               for rid, d in dreqs.items()}
-
-        def all_landed() -> bool:
-            P.step()
-            D.step()
-            return (all(d.status in LOADED for d in dreqs.values())
-                    and not P.sched.connector.has_pending_push_work())
-
-        until(all_landed, "64 transfers", deadline_s=60.0)
-        for rid in reqs:
-            want, got = block_bytes(P, "layer.0", src[rid]), block_bytes(D, "layer.0", dst[rid])
-            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), rid
-        assert len(merged(D).data["bytes"]) == n and merged(D).data["failed"] == []
+        _decode_many(P, D, *_prefill_many(P, n))  # all 64 Expects out at once, all land
     finally:
         P.close()
         D.close()
 
 
-def test_a_prefill_of_another_tp_size_is_refused_by_name(model_dir, caplog) -> None:
-    P, D = Side(model_dir, "kv_producer", seed=34), Side(model_dir, "kv_consumer", seed=35)
-    try:
-        params, _ = prefill(P, "r34", 40)
-        # what a TP-2 prefill's params carry: one address per rank
-        params = {**params, "remote_addresses": params["remote_addresses"] * 2, "tp_size": 2}
-        dreq = request("d34", 40, params, 4)
-        D.sched.add_request(dreq)
-        with caplog.at_level(logging.ERROR, logger="pdxfer.vllm"):
-            until(lambda: D.step() and dreq.is_finished(), "the decode request to be refused")
-        assert dreq.status is RequestStatus.FINISHED_ERROR
-        assert any("the prefill runs 2 TP ranks, this decode 1" in r.getMessage()
-                   and "equal TP sizes only" in r.getMessage() for r in caplog.records)
-    finally:
-        P.close()
-        D.close()
-
-
-@pytest.mark.timeout(400)  # two worker processes importing vLLM: a minute of it under load
-def test_tp2_to_tp2_with_worker_processes_and_64_requests_in_flight(model_dir) -> None:
+def test_tp2_to_tp2_with_64_requests_in_flight_and_a_tp1_decode_refused_by_name(model_dir) -> None:
     n, tp = 64, 2
-    tps = TPSides(model_dir, tp=tp, blocks=256, max_seqs=n, request_timeout=60.0)
-    P, D = tps.sides["kv_producer"], tps.sides["kv_consumer"]
+    kw = {"blocks": 256, "max_seqs": n, "request_timeout": 60.0}
+    P = Engine(model_dir, "kv_producer", tp=tp, seed=40, **kw)
+    D = Engine(model_dir, "kv_consumer", tp=tp, seed=50, **kw)
+    D1 = Engine(model_dir, "kv_consumer", tp=1, seed=60, **{**kw, "request_timeout": 2.0})
     try:
-        assert len(P.sched.connector._addresses) == tp
-        reqs = {f"r{i}": request(f"r{i}", 20, {"do_remote_decode": True}, 1, first=3 + 13 * i)
-                for i in range(n)}
-        for r in reqs.values():
-            P.sched.add_request(r)
-        params, src = {}, {}
-        while len(params) < n:
-            so, eco = tps.step("kv_producer")
-            for rid in so.num_scheduled_tokens:
-                src[rid] = list(P.sched.kv_cache_manager.get_block_ids(rid)[0])
-            params.update({o.request_id: o.kv_transfer_params for e in eco.values()
-                           for o in e.outputs if o.finished})
+        params, src = _prefill_many(P, n + 1)
         assert all(len(p["remote_addresses"]) == tp for p in params.values())
-        dreqs = {rid: request(f"d{rid}", 20, dict(params[rid]), 2, first=3 + 13 * int(rid[1:]))
-                 for rid in reqs}
-        for d in dreqs.values():
-            D.sched.add_request(d)
-        tps.step("kv_consumer")
-        assert all(d.status is RequestStatus.WAITING_FOR_REMOTE_KVS for d in dreqs.values())
-        dst = {rid: list(D.sched.kv_cache_manager.get_block_ids(d.request_id)[0])
-               for rid, d in dreqs.items()}
+        odd = params.pop(f"r{n}")
+        _decode_many(P, D, params, src)
+        other = P.bytes("layer.0", src["r0"], rank=1)  # the ranks hold different bytes
+        assert not torch.equal(other[0], P.bytes("layer.0", src["r0"], rank=0)[0])
 
-        def all_landed() -> bool:
-            tps.step("kv_producer")
-            tps.step("kv_consumer")
-            return (all(d.status in LOADED for d in dreqs.values())
-                    and not P.sched.connector.has_pending_push_work())
-
-        until(all_landed, "64 transfers at TP 2", deadline_s=90.0)
-        for rank in range(tp):  # rank r's blocks came from prefill rank r, each rank its own bytes
-            for rid in reqs:
-                want = tps.bytes("kv_producer", rank, "layer.0", src[rid])
-                got = tps.bytes("kv_consumer", rank, "layer.0", dst[rid])
-                assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), (rank, rid)
-        other = tps.bytes("kv_producer", 1, "layer.0", src["r0"])  # the ranks hold different bytes
-        assert not torch.equal(other[0], tps.bytes("kv_producer", 0, "layer.0", src["r0"])[0])
-        # vLLM's aggregator folded both ranks' stats: a transfer per rank per request
-        assert len(merged(D).data["bytes"]) == tp * n and merged(D).data["failed"] == []
+        # a TP-1 decode handed a TP-2 prefill's request: refused by name, nothing written
+        dreq = request("d-odd", 20, dict(odd), 2, first=3 + 13 * n)
+        D1.sched.add_request(dreq)
+        until(lambda: D1.step() and dreq.is_finished(), "the TP-1 decode to refuse the request")
+        assert dreq.status is RequestStatus.FINISHED_ERROR
+        refusal = [m for m in D1.call(logged) if "cannot be received" in m]
+        assert len(refusal) == 1, D1.call(logged)
+        assert "the prefill runs 2 TP ranks, this decode 1" in refusal[0]
+        assert "equal TP sizes only" in refusal[0]
     finally:
-        tps.close()
-        P.close()
-        D.close()
+        for e in (P, D, D1):
+            e.close()

@@ -8,16 +8,19 @@ update_from_output, its KV cache manager and block pool, prefix caching,
 the stats it hands its loggers), `Request`, and the worker connector's
 lifecycle through `KVConnectorModelRunnerMixin.kv_connector_no_forward`
 (bind metadata, `start_load_kv`, `wait_for_save`, `get_transfer_results`,
-`get_block_ids_with_load_errors`, `get_kv_connector_stats`). pdxfer moves
-the bytes between the prefill and the decode worker over tcp on 127.0.0.1
-(one process holds both: each side has its own engine).
+`get_block_ids_with_load_errors`, `get_kv_connector_stats`), in worker
+processes of its own per engine and TP rank (`Engine`; at TP > 1 with vLLM's
+TP group over gloo), their outputs folded by vLLM's `KVOutputAggregator`.
+pdxfer moves the bytes between the prefill's and the decode's worker
+processes over tcp on 127.0.0.1.
 
 Simulated: the forward pass (a hand-built `ModelRunnerOutput` sampling token
 7), the KV tensors (CPU tensors in the attention backend's `[2, blocks,
 block_size, heads, head_size]` shape, and for the hybrid case Mamba state
 views sharing each block's page of one raw buffer, as vLLM's hybrid
-allocator lays them out), the executor's collection of worker handshake
-metadata, the GPU platform's leaving the hybrid KV cache manager on (the CPU
+allocator lays them out), the executor (`Engine`: a pipe per worker process
+carrying the `SchedulerOutput` and its results, the workers' handshake
+metadata handed to the scheduler), the GPU platform's leaving the hybrid KV cache manager on (the CPU
 platform turns it off), and the proxy that copies `kv_transfer_params` from
 the prefill's output into the decode's request.
 """
@@ -25,6 +28,7 @@ the prefill's output into the decode's request.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -74,13 +78,17 @@ def write_model(path: Path) -> str:
 
 
 class Side:
-    """One vLLM engine's scheduler and its one worker's connector, stepped without a model."""
+    """One vLLM engine's config and either its scheduler (`Engine`) or one worker's connector.
+
+    `worker_only`: the worker process's part (`start_worker` registers its
+    caches); else the scheduler's (with its scheduler-side connector).
+    """
 
     def __init__(self, model_dir: str, role: str, *, hybrid: bool = False, head: int = HEAD,
                  timeout: float = 2.0, request_timeout: float | None = 2.0, seed: int = 0,
                  blocks: int = BLOCKS, max_seqs: int = 8, policy: str = "fail",
-                 prefix_caching: bool | None = None, tp: int = 1, scheduler_only: bool = False,
-                 worker_only: bool = False, extra: dict | None = None) -> None:
+                 prefix_caching: bool | None = None, tp: int = 1, worker_only: bool = False,
+                 extra: dict | None = None) -> None:
         pdxfer = {"transport": "tcp", "host": "127.0.0.1", "timeout": timeout}
         if request_timeout is not None:
             pdxfer["request_timeout"] = request_timeout
@@ -115,19 +123,13 @@ class Side:
         self.kvc = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.cfg.cache_config.num_gpu_blocks = blocks
         self._attn, self._hybrid, self._seed = attn, hybrid, seed
-        self.stats: list[dict] = []  # what the scheduler handed its loggers, step by step
+        self.stats: list[dict] = []  # the connector stats the scheduler handed its loggers
+        self.scheduler_stats: list = []  # the SchedulerStats carrying them, for vLLM's loggers
         self.worker = None
         if not worker_only:
             self.sched = Scheduler(vllm_config=self.cfg, kv_cache_config=self.kvc,
                                    structured_output_manager=StructuredOutputManager(self.cfg),
                                    block_size=BLOCK, log_stats=True)
-        if scheduler_only or worker_only:
-            return  # TPSides: the workers run in their own processes
-        self.start_worker()
-        # what EngineCore does after registration: the workers' handshake metadata to the scheduler
-        meta = self.worker.get_handshake_metadata()
-        if meta is not None:
-            self.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): meta})
 
     def start_worker(self) -> None:
         """The worker-side connector over freshly allocated (seeded random) caches."""
@@ -153,12 +155,6 @@ class Side:
             caches["layer.1"] = [conv, ssm]
         return caches
 
-    def step(self, sampled: dict[str, list[int]] | None = None):
-        """One engine step: schedule, the worker's connector turn (no forward), update."""
-        so = self.sched.schedule()
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker  # ensure_kv_transfer_initialized's job
-        return self.finish_step(so, KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.cfg))
-
     def finish_step(self, so, out):
         """The simulated forward pass on top of the connector's output, then vLLM's update."""
         ids = list(so.num_scheduled_tokens)
@@ -174,31 +170,30 @@ class Side:
         for e in eco.values():
             if e.scheduler_stats is not None and e.scheduler_stats.kv_connector_stats:
                 self.stats.append(e.scheduler_stats.kv_connector_stats)
+                self.scheduler_stats.append(e.scheduler_stats)
         return so, eco
 
     def free_blocks(self) -> int:
         return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
-        self.sched.connector.shutdown()
 
-
-def request(rid: str, n: int, params: dict, max_tokens: int, first: int = 3) -> Request:
-    """A request of prompt tokens first..first+n-1 (distinct `first`: no shared prefix)."""
+def request(rid: str, n: int, params: dict, max_tokens: int, first: int = 3,
+            tokens: list[int] | None = None) -> Request:
+    """A request of prompt tokens first..first+n-1 (distinct `first`: no shared prefix), or `tokens`."""
     sp = SamplingParams(max_tokens=max_tokens)
     sp.update_from_generation_config({}, 2)
-    r = Request(request_id=rid, prompt_token_ids=list(range(first, first + n)), sampling_params=sp,
+    prompt = list(tokens) if tokens is not None else list(range(first, first + n))
+    r = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp,
                 pooling_params=None, mm_features=None,
                 block_hasher=get_request_block_hasher(BLOCK, sha256))
     r.kv_transfer_params = params
     return r
 
 
-def prefill(side: Side, rid: str, n: int, first: int = 3) -> tuple[dict, list[list[int]]]:
-    """Run a prefill request to its end; its kv_transfer_params and its (held) blocks."""
-    req = request(rid, n, {"do_remote_decode": True}, 1, first)
+def prefill(side, rid: str, n: int, first: int = 3,
+            tokens: list[int] | None = None) -> tuple[dict, list[list[int]]]:
+    """Run a prefill request to its end (on an `Engine`); its kv_transfer_params and (held) blocks."""
+    req = request(rid, n, {"do_remote_decode": True}, 1, first, tokens)
     side.sched.add_request(req)
     blocks = None
     outputs = {}
@@ -218,116 +213,235 @@ def until(fn, what: str, deadline_s: float = 30.0):
     return out
 
 
-def block_bytes(side: Side, layer: str, blocks: list[int]) -> list[torch.Tensor]:
-    """The blocks' bytes per tensor (as int16: random bits make NaNs, and NaN != NaN)."""
+def block_bytes(side, layer: str, blocks: list[int]) -> list[torch.Tensor]:
+    """The blocks' bytes per tensor (as int16: random bits make NaNs, and NaN != NaN).
+
+    `side`: a `Side` holding its worker, or an `Engine` (then rank 0's, from its process).
+    """
+    if isinstance(side, Engine):
+        return side.bytes(layer, blocks)
     cache = side.caches[layer]
     parts = cache if isinstance(cache, list) else [cache[0], cache[1]]
     return [t[blocks].contiguous().view(torch.int16) for t in parts]
 
 
-# -- TP > 1: the worker-side connectors in their own processes -------------------------------------
-def tp_worker(conn, model_dir: str, rank: int, tp: int, init: str, roles: dict[str, dict]) -> None:
-    """One TP rank's worker process: vLLM's TP group over gloo, a worker connector per role.
+# -- the worker-side connectors in their own processes ----------------------------------------------
+def _context():
+    """Worker processes forked from a server that imported vLLM once (a spawn costs seconds each).
 
-    What vLLM's multiproc executor does for the connector, minus the model:
-    the distributed environment and TP group (so the connector asks
+    The fork server never ran a pdxfer engine, a torch kernel or a thread, so its children
+    start as clean as spawned ones, and each of them imports nothing new.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["vllm_harness"])
+    return ctx
+
+
+def worker_main(conn, model_dir: str, role: str, rank: int, tp: int, init: str, kw: dict) -> None:
+    """One TP rank of one engine: its worker-side connector, as vLLM's worker process holds it.
+
+    What vLLM's executor does for the connector, minus the model: at TP > 1 the
+    distributed environment and TP group over gloo (the connector asks
     `get_tp_group()` for its rank), the worker connector registering this
     rank's caches, and per step `kv_connector_no_forward` on the
-    `SchedulerOutput` the scheduler broadcast; the results go back for vLLM's
+    `SchedulerOutput` the scheduler broadcast; the output goes back for vLLM's
     own `KVOutputAggregator`.
     """
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
+    logged = _Logged()
+    logging.getLogger("pdxfer.vllm").addHandler(logged)
+    side = Side(model_dir, role, worker_only=True, tp=tp, **kw)
+    side.logged = logged.lines
+    if tp > 1:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.parallel_state import (
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
 
-    sides = {role: Side(model_dir, role, worker_only=True, tp=tp, seed=kw.pop("seed") + rank, **kw)
-             for role, kw in roles.items()}
-    first = next(iter(sides.values()))
-    with set_current_vllm_config(first.cfg):
-        init_distributed_environment(world_size=tp, rank=rank, distributed_init_method=init,
-                                     local_rank=rank, backend="gloo")
-        initialize_model_parallel(tensor_model_parallel_size=tp, backend="gloo")
-    for side in sides.values():
-        side.start_worker()
-    conn.send({role: s.worker.get_handshake_metadata() for role, s in sides.items()})
+        with set_current_vllm_config(side.cfg):
+            init_distributed_environment(world_size=tp, rank=rank, distributed_init_method=init,
+                                         local_rank=rank, backend="gloo")
+            initialize_model_parallel(tensor_model_parallel_size=tp, backend="gloo")
+    side.start_worker()
+    conn.send(side.worker.get_handshake_metadata())
     while True:
-        cmd, role, arg = conn.recv()
+        cmd, arg = conn.recv()
         if cmd == "close":
-            for s in sides.values():
-                s.worker.shutdown()
+            side.worker.shutdown()
             conn.send(None)
             return
-        side = sides[role]
         if cmd == "step":
             kv_transfer_state._KV_CONNECTOR_AGENT = side.worker
             conn.send(KVConnectorModelRunnerMixin.kv_connector_no_forward(arg, side.cfg))
         elif cmd == "bytes":
-            layer, blocks = arg
-            conn.send([t.clone() for t in block_bytes(side, layer, blocks)])
+            conn.send([t.clone() for t in block_bytes(side, *arg)])
+        elif cmd == "call":
+            fn, args = arg
+            conn.send(fn(side, *args))
 
 
-class TPSides:
-    """A prefill and a decode at TP `tp`: two schedulers here, `tp` worker processes.
+class _Logged(logging.Handler):
+    """Keeps the connector's warnings and errors in a worker process, for `logged`."""
 
-    Rank r's process holds rank r's prefill and decode worker connectors
-    (two pdxfer engines; one TP group of `tp` processes serves both roles,
-    where a deployment has one per engine).
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+class WorkerDied(RuntimeError):
+    """A worker process of the engine is gone (what a test that kills one expects)."""
+
+
+class Engine:
+    """One vLLM engine: its real `Scheduler` here, each TP rank's worker connector in a process.
+
+    `step()` is one engine step as vLLM's EngineCore runs it: schedule, the
+    `SchedulerOutput` to every worker process, their outputs folded by vLLM's
+    `KVOutputAggregator`, the simulated forward pass, `update_from_output`.
+    The block ids the workers reported as failed loads (what the scheduler's
+    load-failure policy is handed) are kept in `invalid`, step by step.
     """
 
-    def __init__(self, model_dir: str, tp: int = 2, **kw) -> None:
-        import multiprocessing
+    def __init__(self, model_dir: str, role: str, *, tp: int = 1, seed: int = 0, **kw) -> None:
         import socket
 
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        self.role, self.tp = role, tp
+        self.side = Side(model_dir, role, tp=tp, seed=seed, **kw)
+        self.sched, self.cfg, self.stats = self.side.sched, self.side.cfg, self.side.stats
+        self.invalid: list[set[int]] = []
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        self.tp = tp
-        self.sides = {role: Side(model_dir, role, scheduler_only=True, tp=tp, **kw)
-                      for role in ("kv_producer", "kv_consumer")}
-        roles = {"kv_producer": {"seed": 100, **kw}, "kv_consumer": {"seed": 200, **kw}}
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _context()
         self.conns, self.procs = [], []
-        for rank in range(tp):
+        for rank in range(tp):  # rank r's caches seeded apart from every other rank's and engine's
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=tp_worker, args=(theirs, model_dir, rank, tp, init, roles),
-                               daemon=True)
+            proc = ctx.Process(target=worker_main, daemon=True, args=(
+                theirs, model_dir, role, rank, tp, init, {**kw, "seed": seed + 1000 * rank}))
             proc.start()
+            theirs.close()
             self.conns.append(mine)
             self.procs.append(proc)
-        metas = [self._recv(c, 300.0) for c in self.conns]
-        prefill = self.sides["kv_producer"].sched.connector
-        prefill.set_xfer_handshake_metadata_pp_aware(
-            {(0, r): m["kv_producer"] for r, m in enumerate(metas)})
-        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        metas = [self._recv(r, 300.0) for r in range(tp)]
+        if self.sched.connector._producer:  # what EngineCore does with the workers' metadata
+            self.sched.connector.set_xfer_handshake_metadata_pp_aware(
+                {(0, r): m for r, m in enumerate(metas)})
+        self.aggregator = KVOutputAggregator(tp)
 
-        self.aggregators = {role: KVOutputAggregator(tp) for role in self.sides}
+    def _recv(self, rank: int, timeout: float = 120.0):
+        conn, proc = self.conns[rank], self.procs[rank]
+        try:
+            if conn.poll(timeout):
+                return conn.recv()
+        except (EOFError, OSError) as exc:
+            raise WorkerDied(f"{self.role} rank {rank} (pid {proc.pid}) is gone") from exc
+        if not proc.is_alive():
+            raise WorkerDied(f"{self.role} rank {rank} (pid {proc.pid}) is gone")
+        raise AssertionError(f"{self.role} rank {rank} did not answer in {timeout} s")
 
-    @staticmethod
-    def _recv(conn, timeout: float = 60.0):
-        assert conn.poll(timeout), f"a TP worker process did not answer in {timeout} s"
-        return conn.recv()
+    def _ask(self, rank: int, cmd: str, arg):
+        try:
+            self.conns[rank].send((cmd, arg))
+        except (BrokenPipeError, OSError) as exc:
+            raise WorkerDied(f"{self.role} rank {rank} is gone") from exc
+        return self._recv(rank)
 
-    def step(self, role: str):
-        """One step of `role`'s engine: schedule, every rank's connector turn, aggregate, update."""
-        side = self.sides[role]
-        so = side.sched.schedule()
-        for c in self.conns:
-            c.send(("step", role, so))
-        out = self.aggregators[role].aggregate([self._recv(c) for c in self.conns])
-        return side.finish_step(so, out)
+    def step(self):
+        """One engine step (schedule, every worker's connector turn, aggregate, update)."""
+        so = self.sched.schedule()
+        for r in range(self.tp):
+            try:
+                self.conns[r].send(("step", so))
+            except (BrokenPipeError, OSError) as exc:
+                raise WorkerDied(f"{self.role} rank {r} is gone") from exc
+        out = self.aggregator.aggregate([self._recv(r) for r in range(self.tp)])
+        kvo = out.kv_connector_output if out is not None else None
+        if kvo is not None and kvo.invalid_block_ids:
+            self.invalid.append(set(kvo.invalid_block_ids))
+        return self.side.finish_step(so, out)
 
-    def bytes(self, role: str, rank: int, layer: str, blocks: list[int]) -> list[torch.Tensor]:
-        self.conns[rank].send(("bytes", role, (layer, blocks)))
-        return self._recv(self.conns[rank])
+    def bytes(self, layer: str, blocks: list[int], rank: int = 0) -> list[torch.Tensor]:
+        """Rank `rank`'s bytes of `blocks` in `layer` (as `block_bytes`)."""
+        return self._ask(rank, "bytes", (layer, blocks))
+
+    def call(self, fn, *args, rank: int = 0):
+        """`fn(side, *args)` in rank `rank`'s worker process (fn: a module-level function)."""
+        return self._ask(rank, "call", (fn, args))
+
+    def free_blocks(self) -> int:
+        return self.side.free_blocks()
+
+    def kill(self) -> None:
+        """SIGKILL every worker process: the engine dies mid-whatever it was doing."""
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.join(30.0)
 
     def close(self) -> None:
-        for c, p in zip(self.conns, self.procs, strict=True):
+        for r, (c, p) in enumerate(zip(self.conns, self.procs, strict=True)):
             try:
-                c.send(("close", None, None))
-                self._recv(c, 30.0)
+                if p.is_alive():
+                    self._ask(r, "close", None)
+            except (WorkerDied, AssertionError):
+                pass
             finally:
                 p.join(30.0)
                 if p.is_alive():
                     p.kill()
+                c.close()
+        self.sched.connector.shutdown()
+
+
+# -- what tests run in a worker process (Engine.call) ----------------------------------------------
+def send_state(side: Side, rid: str):
+    """The prefill engine's state of `rid` (None: it knows nothing of it yet)."""
+    return side.worker.prefill.try_poll(rid)
+
+
+def prefill_address(side: Side) -> str:
+    """The worker's prefill engine's bootstrap address."""
+    return side.worker.prefill.bootstrap_address
+
+
+def logged(side: Side) -> list[str]:
+    """The connector's warnings and errors in this worker process so far."""
+    return list(side.logged)
+
+
+def waits(side: Side) -> tuple[float, float]:
+    """The worker engine's (request wait, liveness timeout)."""
+    return side.worker.config.request_wait, side.worker.config.timeout
+
+
+def die_mid_transfer(side: Side) -> None:
+    """Arm this prefill to die in its next transfer: half of it written, then SIGKILL.
+
+    The first half of the first part's segments is written (no notify: the
+    decode is never told it landed), and once that write completed the
+    process kills itself, the rest never sent.
+    """
+    import os
+    import signal
+    import threading
+
+    import pdxfer.prefill as prefill_module
+
+    def dying(req, parts, last, conn, ready=None) -> None:
+        region, remote, table = parts[0]
+        half = conn.write(region, remote, table[: max(1, len(table) // 2)].copy())
+
+        def kill() -> None:
+            half.wait(30.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+
+    prefill_module.post_parts = dying
