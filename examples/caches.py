@@ -60,8 +60,9 @@ def pool_fields(cfg: ModelConfig) -> dict[str, list[EntryField]]:
         "kv": [
             EntryField("k", cfg.attn_layers, page, FP8),
             EntryField("v", cfg.attn_layers, page, FP8),
-            EntryField("k_scale", cfg.attn_layers, (cfg.heads,), f32, fill=1.0),
-            EntryField("v_scale", cfg.attn_layers, (cfg.heads,), f32, fill=1.0),
+            # (K, V) x heads in one field: every field starts on a 256-byte
+            # boundary, so two scale fields would pad twice per layer and page.
+            EntryField("kv_scale", cfg.attn_layers, (2, cfg.heads), f32, fill=1.0),
         ],
         "state": [
             EntryField("conv", 1, (cfg.conv_width - 1, cfg.dim), f32),

@@ -272,8 +272,8 @@ class HybridModel:
         v = (h @ p[f"attn{layer}.wv"]).view(T, H, D)
         pool = caches.pools["kv"]
         # [pages, page_size, H, D] float8 and [pages, H] float32 scales.
-        k_pages, k_scale = pool.view("k")[layer], pool.view("k_scale")[layer]
-        v_pages, v_scale = pool.view("v")[layer], pool.view("v_scale")[layer]
+        k_pages, v_pages = pool.view("k")[layer], pool.view("v")[layer]
+        k_scale, v_scale = pool.view("kv_scale")[layer].unbind(1)
         pos = torch.arange(start, start + T, device=self.device)
         write_fp8(k_pages, k_scale, page_ids, start, k)
         write_fp8(v_pages, v_scale, page_ids, start, v)

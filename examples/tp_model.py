@@ -42,9 +42,8 @@ def tp_pool_fields(cfg: ModelConfig, replicated_kv: bool) -> dict:
     """The example's field lists with K/V split on the head axis (unless replicated)."""
     fields = pool_fields(cfg)
     if not replicated_kv:
-        # K/V are (page, heads, dim), their scales (heads,): each rank's scales go with its heads.
-        fields["kv"] = [replace(f, tp_axis=0 if f.name.endswith("_scale") else 1)
-                        for f in fields["kv"]]
+        # K/V are (page, heads, dim), their scales (2, heads): each rank's scales go with its heads.
+        fields["kv"] = [replace(f, tp_axis=1) for f in fields["kv"]]
     return fields
 
 
@@ -78,8 +77,8 @@ class TPModel(HybridModel):
         D = cfg.head_dim
         pool = caches.pools["kv"]
         # [pages, page_size, local heads, D] float8 and [pages, local heads] scales, strided by head.
-        k_pages, k_scale = pool.view("k")[layer], pool.view("k_scale")[layer]
-        v_pages, v_scale = pool.view("v")[layer], pool.view("v_scale")[layer]
+        k_pages, v_pages = pool.view("k")[layer], pool.view("v")[layer]
+        k_scale, v_scale = pool.view("kv_scale")[layer].unbind(1)
         pos = torch.arange(start, start + T, device=self.device)
         n = start + T
         future = torch.arange(n, device=self.device)[None, :] > pos[:, None]
