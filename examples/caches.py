@@ -222,7 +222,7 @@ class ModelCaches:
     (`kv_pages + state_entries` slots, the boundary after the pages) whose
     boundary a worker moves (`examples.elastic`); `aux` stays on its own.
     `interleaved=True` orders each kv page layer first (`LayerInterleavedArena`:
-    `[layer 0: k v][layer 1: k v]`), so a prefill streaming layer groups
+    `[layer 0: k v kv_scale][layer 1: ...]`), so a prefill streaming layer groups
     (`--layer-groups`) ships one range per page per group; the model reads it
     through the same views, so its arithmetic is the same.
     """
