@@ -16,8 +16,8 @@ no cache tensor of its own, which is what makes "ship the arenas" sufficient.
 
 Determinism is the point, so: float32 arithmetic (K/V are stored as FP8 with
 per-page scales, see `write_fp8`, and dequantised before any matmul), weights
-drawn from a fixed seed by a CPU generator (no download, identical on every machine), greedy argmax, and
-a prefill and a decode step that run the same kernels on the same shapes
+drawn from a fixed seed by a CPU generator (no download, identical on every
+machine), greedy argmax, and a prefill and a decode step that run the same kernels on the same shapes
 whichever process calls them. Page *indices* differ between processes, but the
 model only ever gathers pages into a dense `[tokens, heads, dim]` tensor before
 computing, so indices never reach the arithmetic. `deterministic_torch()` pins
@@ -133,7 +133,6 @@ def _init_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-
 
 
 # -- FP8 K/V with per-page scales ------------------------------------------------
