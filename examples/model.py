@@ -17,12 +17,12 @@ no cache tensor of its own, which is what makes "ship the arenas" sufficient.
 Determinism is the point, so: float32 arithmetic (K/V are stored as FP8 with
 per-page scales, see `write_fp8`, and dequantised before any matmul), weights
 drawn from a fixed seed by a CPU generator (no download, identical on every
-machine), greedy argmax, and a prefill and a decode step that run the same kernels on the same shapes
-whichever process calls them. Page *indices* differ between processes, but the
-model only ever gathers pages into a dense `[tokens, heads, dim]` tensor before
-computing, so indices never reach the arithmetic. `deterministic_torch()` pins
-intra-op threads to one, because a reduction split differently across threads
-is free to round differently.
+machine), greedy argmax, and a prefill and a decode step that run the same
+kernels on the same shapes whichever process calls them. Page *indices* differ
+between processes, but the model only ever gathers pages into a dense `[tokens,
+heads, dim]` tensor before computing, so indices never reach the arithmetic.
+`deterministic_torch()` pins intra-op threads to one, because a reduction split
+differently across threads is free to round differently.
 
 Deliberately absent: batching, RoPE, any serving-grade kernel. Batching is
 what would make the shapes differ between the reference and the workers.
