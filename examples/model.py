@@ -19,8 +19,8 @@ per-page scales, see `write_fp8`, and dequantised before any matmul), weights
 drawn from a fixed seed by a CPU generator (no download, identical on every
 machine), greedy argmax, and a prefill and a decode step that run the same
 kernels on the same shapes whichever process calls them. Page *indices* differ
-between processes, but the model only ever gathers pages into a dense `[tokens,
-heads, dim]` tensor before computing, so indices never reach the arithmetic.
+between processes, but the model only ever gathers pages into a dense
+`[tokens, heads, dim]` tensor before computing, so indices never reach the arithmetic.
 `deterministic_torch()` pins intra-op threads to one, because a reduction split
 differently across threads is free to round differently.
 
