@@ -5,8 +5,9 @@ lives in one of three pools, and the model reads and writes it only through
 the arenas' per-layer views (`arena.view(name)` -> `[layers, entries, *shape]`):
 
 - ``kv``: paged MHA attention. One entry is one *page* of `page_size` tokens
-  holding that page's K and V for every attention layer, so a page is one
-  contiguous byte range and a run of pages is one segment on the wire.
+  holding that page's K and V (float8_e4m3fn) and their float32 per-page scales
+  for every attention layer, so a page is one contiguous byte range carrying
+  its own scales and a run of pages is one segment on the wire.
 - ``state``: one entry per request, holding everything recurrent: the GDN-style
   conv window and temporal state, and the DeepSeek-V4-style compressor's
   `kv_state`/`score_state` ring, whose score plane starts at `-inf` so a ring
@@ -43,7 +44,7 @@ from pdxfer.layout import (
     plan_segments,
 )
 
-from .model import ModelConfig
+from .model import FP8, ModelConfig
 
 POOLS = ("kv", "state", "aux")
 
@@ -53,9 +54,15 @@ def pool_fields(cfg: ModelConfig) -> dict[str, list[EntryField]]:
     f32 = torch.float32
     page = (cfg.page_size, cfg.heads, cfg.head_dim)
     return {
+        # FP8 K/V, and each page's float32 scales (one per layer and KV head, the
+        # rule is `model.write_fp8`'s) as fields of the same entry: a page ships
+        # its scales in its own byte range, layer by layer when interleaved.
         "kv": [
-            EntryField("k", cfg.attn_layers, page, f32),
-            EntryField("v", cfg.attn_layers, page, f32),
+            EntryField("k", cfg.attn_layers, page, FP8),
+            EntryField("v", cfg.attn_layers, page, FP8),
+            # (K, V) x heads in one field: every field starts on a 256-byte
+            # boundary, so two scale fields would pad twice per layer and page.
+            EntryField("kv_scale", cfg.attn_layers, (2, cfg.heads), f32, fill=1.0),
         ],
         "state": [
             EntryField("conv", 1, (cfg.conv_width - 1, cfg.dim), f32),
@@ -215,7 +222,7 @@ class ModelCaches:
     (`kv_pages + state_entries` slots, the boundary after the pages) whose
     boundary a worker moves (`examples.elastic`); `aux` stays on its own.
     `interleaved=True` orders each kv page layer first (`LayerInterleavedArena`:
-    `[layer 0: k v][layer 1: k v]`), so a prefill streaming layer groups
+    `[layer 0: k v kv_scale][layer 1: ...]`), so a prefill streaming layer groups
     (`--layer-groups`) ships one range per page per group; the model reads it
     through the same views, so its arithmetic is the same.
     """

@@ -14,14 +14,15 @@ can check the disaggregated run against a single-process one token for token:
 Every cache byte is read and written through `arena.view(name)`; the model has
 no cache tensor of its own, which is what makes "ship the arenas" sufficient.
 
-Determinism is the point, so: float32 only, weights drawn from a fixed seed by
-a CPU generator (no download, identical on every machine), greedy argmax, and
-a prefill and a decode step that run the same kernels on the same shapes
-whichever process calls them. Page *indices* differ between processes, but the
-model only ever gathers pages into a dense `[tokens, heads, dim]` tensor before
-computing, so indices never reach the arithmetic. `deterministic_torch()` pins
-intra-op threads to one, because a reduction split differently across threads
-is free to round differently.
+Determinism is the point, so: float32 arithmetic (K/V are stored as FP8 with
+per-page scales, see `write_fp8`, and dequantised before any matmul), weights
+drawn from a fixed seed by a CPU generator (no download, identical on every
+machine), greedy argmax, and a prefill and a decode step that run the same
+kernels on the same shapes whichever process calls them. Page *indices* differ
+between processes, but the model only ever gathers pages into a dense
+`[tokens, heads, dim]` tensor before computing, so indices never reach the arithmetic.
+`deterministic_torch()` pins intra-op threads to one, because a reduction split
+differently across threads is free to round differently.
 
 Deliberately absent: batching, RoPE, any serving-grade kernel. Batching is
 what would make the shapes differ between the reference and the workers.
@@ -134,6 +135,61 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
+# -- FP8 K/V with per-page scales ------------------------------------------------
+# K and V live in the kv pages as float8_e4m3fn, each (page, layer, KV head)
+# with its float32 scale stored as a field of the same page entry, so a page
+# ships its scales in the same byte range (and, layer-interleaved, each layer's
+# scales inside that layer's range; shard-major, each rank's heads' scales with
+# its heads). A dequantised value is `fp8 * scale`.
+#
+# The rule, identical in every process and independent of how a sequence is
+# split between prefill and decode steps: a page's scale is fixed when its
+# FIRST token (slot 0) is written, as that token's amax (per head, over
+# head_dim) x `FP8_HEADROOM` / 448, floored at `FP8_SCALE_FLOOR`; every later
+# token of the page, from the same prefill or from a decode step, is quantised
+# with it, clamped to +-448, and the page is never requantised (that would
+# rewrite bytes the other side already holds).
+# Trade-off, chosen on purpose: a scale over all of a page's prefill tokens
+# would fit them tighter, but the page's bytes would then depend on where the
+# prompt ended (a page the prefill fills half and decode completes would differ
+# from the same tokens prefilled whole), so decoding from the caches would no
+# longer equal re-running the longer prompt (tests/examples/test_model.py pins
+# that). The first-token rule costs headroom instead: a later token above
+# `FP8_HEADROOM` x the first one saturates. e4m3's relative precision is the
+# same across its normal range, so the headroom only gives up range at the
+# bottom. vLLM keeps one scale per layer and ships no dynamic scale at all;
+# here the scale is page data and travels with the page.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+FP8_SCALE_FLOOR = 1e-12  # a page opened by an all-zero token still gets a finite, non-zero scale
+FP8_HEADROOM = 4.0  # later tokens of a page may be this much larger than its first unclipped
+
+
+def write_fp8(pages: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tensor,
+              start: int, x: torch.Tensor) -> None:
+    """Quantise `x` ([T, H, D], positions `start..start+T`) into `pages` ([P, ps, H, D]
+    float8) under the rule above, first setting the scales ([P, H]) of the pages
+    whose first token is among them."""
+    T, ps = x.shape[0], pages.shape[1]
+    pos = torch.arange(start, start + T, device=x.device)
+    where = page_ids[pos // ps]
+    opens = pos % ps == 0
+    # amax is exact, so quantising one head alone (TP) gives the same bytes.
+    first = x[opens].abs().amax(-1)  # [opened pages, H]
+    scales[where[opens]] = (first * (FP8_HEADROOM / FP8_MAX)).clamp_min(FP8_SCALE_FLOOR)
+    q = (x / scales[where][..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    pages[where, pos % ps] = q
+
+
+def read_fp8(pages: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tensor,
+             n: int) -> torch.Tensor:
+    """The first `n` positions of `page_ids` dequantised to float32 `[n, H, D]`."""
+    ps = pages.shape[1]
+    used = page_ids[: -(-n // ps)]
+    rows = pages[used].to(torch.float32) * scales[used][:, None, :, None]
+    return rows.reshape(-1, *pages.shape[2:])[:n]
+
+
 class HybridModel:
     """Weights plus the forward pass; the caches are passed in, never owned."""
 
@@ -209,20 +265,21 @@ class HybridModel:
         page_ids: torch.Tensor,
     ) -> torch.Tensor:
         cfg, p, T = self.cfg, self.p, h.shape[0]
-        H, D, ps = cfg.heads, cfg.head_dim, cfg.page_size
+        H, D = cfg.heads, cfg.head_dim
         q = (h @ p[f"attn{layer}.wq"]).view(T, H, D)
         k = (h @ p[f"attn{layer}.wk"]).view(T, H, D)
         v = (h @ p[f"attn{layer}.wv"]).view(T, H, D)
         pool = caches.pools["kv"]
-        k_pages = pool.view("k")[layer]  # [pages, page_size, H, D]
-        v_pages = pool.view("v")[layer]
+        # [pages, page_size, H, D] float8 and [pages, H] float32 scales.
+        k_pages, v_pages = pool.view("k")[layer], pool.view("v")[layer]
+        k_scale, v_scale = pool.view("kv_scale")[layer].unbind(1)
         pos = torch.arange(start, start + T, device=self.device)
-        k_pages[page_ids[pos // ps], pos % ps] = k
-        v_pages[page_ids[pos // ps], pos % ps] = v
+        write_fp8(k_pages, k_scale, page_ids, start, k)
+        write_fp8(v_pages, v_scale, page_ids, start, v)
         n = start + T
         # Gather to dense rows first: from here on no page index is involved.
-        keys = k_pages[page_ids].reshape(-1, H, D)[:n]
-        vals = v_pages[page_ids].reshape(-1, H, D)[:n]
+        keys = read_fp8(k_pages, k_scale, page_ids, n)
+        vals = read_fp8(v_pages, v_scale, page_ids, n)
         scores = torch.einsum("thd,nhd->htn", q, keys) * D**-0.5
         future = torch.arange(n, device=self.device)[None, :] > pos[:, None]
         scores = scores.masked_fill(future, float("-inf"))

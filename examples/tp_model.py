@@ -31,7 +31,7 @@ import torch.distributed as dist
 from pdxfer.layout import ShardMajorArena
 
 from .caches import POOLS, EntryAllocator, ModelCaches, PoolSizes, pool_fields
-from .model import HybridModel, ModelConfig
+from .model import HybridModel, ModelConfig, read_fp8, write_fp8
 
 # Eight heads so TP sizes 1, 2, 4 and 8 all divide them; same width as the
 # default model (heads * head_dim == 32).
@@ -42,7 +42,8 @@ def tp_pool_fields(cfg: ModelConfig, replicated_kv: bool) -> dict:
     """The example's field lists with K/V split on the head axis (unless replicated)."""
     fields = pool_fields(cfg)
     if not replicated_kv:
-        fields["kv"] = [replace(f, tp_axis=1) for f in fields["kv"]]  # (page, heads, dim)
+        # K/V are (page, heads, dim), their scales (2, heads): each rank's scales go with its heads.
+        fields["kv"] = [replace(f, tp_axis=1) for f in fields["kv"]]
     return fields
 
 
@@ -73,25 +74,30 @@ class TPModel(HybridModel):
     def _attention(self, caches: ModelCaches, layer: int, h: torch.Tensor, start: int,
                    page_ids: torch.Tensor) -> torch.Tensor:
         cfg, p, T = self.cfg, self.p, h.shape[0]
-        D, ps = cfg.head_dim, cfg.page_size
+        D = cfg.head_dim
         pool = caches.pools["kv"]
-        k_pages = pool.view("k")[layer]  # [pages, page_size, local heads, D], strided by head
-        v_pages = pool.view("v")[layer]
+        # [pages, page_size, local heads, D] float8 and [pages, local heads] scales, strided by head.
+        k_pages, v_pages = pool.view("k")[layer], pool.view("v")[layer]
+        k_scale, v_scale = pool.view("kv_scale")[layer].unbind(1)
         pos = torch.arange(start, start + T, device=self.device)
         n = start + T
         future = torch.arange(n, device=self.device)[None, :] > pos[:, None]
         cols = lambda w, head: p[w][:, head * D:(head + 1) * D]  # noqa: E731
-        # Which heads this rank's pages hold, and at which local index.
+        one = lambda t, j: t[..., j:j + 1]  # noqa: E731  (head j's scales, a view)
+        # Which heads this rank's pages hold, and at which local index. A scale
+        # is per head, so quantising one head alone gives the monolithic bytes.
         stored = range(cfg.heads) if self.replicated_kv else self.heads
         for j, head in enumerate(stored):
-            k_pages[page_ids[pos // ps], pos % ps, j] = h @ cols(f"attn{layer}.wk", head)
-            v_pages[page_ids[pos // ps], pos % ps, j] = h @ cols(f"attn{layer}.wv", head)
+            k = (h @ cols(f"attn{layer}.wk", head))[:, None, :]
+            v = (h @ cols(f"attn{layer}.wv", head))[:, None, :]
+            write_fp8(k_pages[:, :, j:j + 1], one(k_scale, j), page_ids, start, k)
+            write_fp8(v_pages[:, :, j:j + 1], one(v_scale, j), page_ids, start, v)
         partials = []
         for head in self.heads:
             j = head if self.replicated_kv else head - self.heads.start
             q = h @ cols(f"attn{layer}.wq", head)
-            keys = k_pages[page_ids, :, j].reshape(-1, D)[:n]
-            vals = v_pages[page_ids, :, j].reshape(-1, D)[:n]
+            keys = read_fp8(k_pages[:, :, j:j + 1], one(k_scale, j), page_ids, n)[:, 0]
+            vals = read_fp8(v_pages[:, :, j:j + 1], one(v_scale, j), page_ids, n)[:, 0]
             scores = (q @ keys.T * D**-0.5).masked_fill(future, float("-inf"))
             out = torch.softmax(scores, dim=-1) @ vals
             partials.append(out @ p[f"attn{layer}.wo"][head * D:(head + 1) * D])

@@ -26,7 +26,7 @@ from examples.caches import (
     pool_fields,
     prefill_counts,
 )
-from examples.model import HybridModel, ModelConfig, deterministic_torch
+from examples.model import FP8, HybridModel, ModelConfig, deterministic_torch, read_fp8
 from examples.reference import reference_generate
 
 deterministic_torch()
@@ -110,3 +110,51 @@ def test_layer_major_baseline_is_planned_over_the_same_fields() -> None:
     # Layer-major splits every run once per field and layer.
     per_run = sum(f.layers for fields in pool_fields(CFG).values() for f in fields)
     assert baseline.segments(src, dst, entries) == per_run
+
+
+def _ship(src: ModelCaches, dst: ModelCaches, src_pages: np.ndarray, dst_pages: np.ndarray,
+          layers: tuple[int, int] | None = None) -> int:
+    """Copy kv pages as a transport would: exactly the planned byte ranges, nothing else."""
+    (table,) = plan_segments(src.pools["kv"], src_pages, dst_pages, layers=layers)
+    for s_off, d_off, n in table.tolist():
+        dst.pools["kv"].buf[d_off:d_off + n] = src.pools["kv"].buf[s_off:s_off + n]
+    return len(table)
+
+
+def _dequantised(caches: ModelCaches, layer: int, pages: np.ndarray, n: int) -> torch.Tensor:
+    pool = caches.pools["kv"]
+    ids = torch.as_tensor(pages)
+    scale = pool.view("kv_scale")[layer]
+    return torch.stack([read_fp8(pool.view(name)[layer], scale[:, i], ids, n)
+                        for i, name in enumerate(("k", "v"))])
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["entry-major", "layer-interleaved"])
+def test_kv_pages_are_fp8_and_carry_their_scales(model: HybridModel, interleaved: bool) -> None:
+    by_name = {f.name: f for f in pool_fields(CFG)["kv"]}
+    assert by_name["k"].dtype == by_name["v"].dtype == FP8
+    scale = by_name["kv_scale"]  # one float32 per (layer, K|V, head), in the page's own entry
+    assert (scale.dtype, scale.layers, scale.shape) == (torch.float32, CFG.attn_layers, (2, CFG.heads))
+    prompt = _prompt(4, 14)  # a partly filled last page
+    sizes = PoolSizes(kv_pages=16, state_entries=1)
+    src = ModelCaches(CFG, sizes, model.device, interleaved=interleaved)
+    pages = np.array([9, 2, 11, 5])
+    model.prefill(src, prompt, pages, 0, 0)
+    scales = src.pools["kv"].view("kv_scale")[:, pages]
+    assert (scales != scale.fill).all()  # every written page set its own scales
+    dst = ModelCaches(CFG, sizes, model.device, interleaved=interleaved)
+    dst_pages = np.array([0, 1, 2, 3])
+    n = len(prompt)
+    if not interleaved:
+        # A run of pages is one range, and that range alone carries their scales.
+        assert _ship(src, dst, pages, dst_pages) == len(pages)
+        layers = range(CFG.attn_layers)
+    else:
+        # Ship only layer 0: its scales must be inside layer 0's range, layer 1's not.
+        assert _ship(src, dst, pages, dst_pages, layers=(0, 1)) == len(pages)
+        assert (dst.pools["kv"].view("kv_scale")[1, dst_pages] == scale.fill).all()
+        layers = range(1)
+    for layer in layers:
+        sent = _dequantised(src, layer, pages, n)
+        assert torch.isfinite(sent).all() and sent.abs().amax() > 0
+        assert torch.equal(_dequantised(dst, layer, dst_pages, n), sent)
