@@ -25,6 +25,29 @@ def model_dir(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("model"))
 
 
+class Local(Side):
+    """One engine's scheduler and its (TP 1) worker connector in this process.
+
+    The other tests run each worker in a process of its own (`vllm_harness.Engine`);
+    here the test itself is the forward pass, calling `save_kv_layer` per layer inside
+    vLLM's forward context, so the worker connector must live where the test runs.
+    """
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.start_worker()
+
+    def step(self):
+        """One engine step: schedule, the worker's connector turn (no forward), update."""
+        so = self.sched.schedule()
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker  # ensure_kv_transfer_initialized's job
+        return self.finish_step(so, KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.cfg))
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.connector.shutdown()
+
+
 def _known(engine, rid: str) -> bool:
     try:
         engine.poll(rid)
@@ -35,8 +58,8 @@ def _known(engine, rid: str) -> bool:
 
 def test_a_prefill_streams_its_blocks_by_layer_during_the_forward_and_the_decode_gets_them(
         model_dir) -> None:
-    P = Side(model_dir, "kv_producer", seed=1, extra={"pdxfer_layer_groups": 2})
-    D = Side(model_dir, "kv_consumer", seed=2)
+    P = Local(model_dir, "kv_producer", seed=1, extra={"pdxfer_layer_groups": 2})
+    D = Local(model_dir, "kv_consumer", seed=2)
     try:
         free = P.free_blocks()
         P.sched.add_request(request("r1", 40, {"do_remote_decode": True}, 1))
@@ -78,7 +101,7 @@ def test_a_prefill_streams_its_blocks_by_layer_during_the_forward_and_the_decode
 
 
 def test_a_chunked_prompt_is_not_streamed_and_is_pushed_whole(model_dir) -> None:
-    P = Side(model_dir, "kv_producer", seed=3, extra={"pdxfer_layer_groups": 2})
+    P = Local(model_dir, "kv_producer", seed=3, extra={"pdxfer_layer_groups": 2})
     try:
         P.sched.add_request(request("long", 400, {"do_remote_decode": True}, 1))  # 256 per step
         so = P.sched.schedule()

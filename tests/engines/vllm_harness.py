@@ -434,7 +434,7 @@ def die_mid_transfer(side: Side) -> None:
 
     import pdxfer.prefill as prefill_module
 
-    def dying(req, parts, last, conn, ready=None) -> None:
+    def dying(req, parts, last, conn, *_rest, **_kw) -> None:  # post_parts' signature, any tail
         region, remote, table = parts[0]
         half = conn.write(region, remote, table[: max(1, len(table) // 2)].copy())
 
