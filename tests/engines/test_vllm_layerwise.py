@@ -36,6 +36,9 @@ class Local(Side):
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.start_worker()
+        if self.sched.connector._producer:  # what EngineCore does with its workers' metadata
+            self.sched.connector.set_xfer_handshake_metadata_pp_aware(
+                {(0, 0): self.worker.get_handshake_metadata()})
 
     def step(self):
         """One engine step: schedule, the worker's connector turn (no forward), update."""
