@@ -301,14 +301,17 @@ def run(args: argparse.Namespace) -> int:
         elastic += (f", kv streamed in {groups} layer group(s) while the prefill computes"
                     + (f" (the model has {cfg.attn_layers} attention layers)"
                        if groups < args.layer_groups else ""))
-    print(f"pdxfer PD example: {args.requests} requests, prompt {args.prompt_len} tokens, "
-          f"{args.gen_len} generated, transport {args.transport}, device {device}{elastic}",
-          flush=True)
     handles: list[WorkerHandle] = []
     client: RpcClient | None = None
     started = time.monotonic()
-    handled()  # a Ctrl-C from here stops the workers (before: one line, see examples/startup.py)
     try:
+        # A Ctrl-C from here stops the workers (before: one line, see examples/startup.py).
+        # Before the banner: a Ctrl-C right after it (a test's cue that the workers start)
+        # must find this handling, not the start-up's.
+        handled()
+        print(f"pdxfer PD example: {args.requests} requests, prompt {args.prompt_len} tokens, "
+              f"{args.gen_len} generated, transport {args.transport}, device {device}{elastic}",
+              flush=True)
         prefill, decode = start_workers(args, device, sizes, handles)
         for h in handles:
             print(f"  {h.info['role']:<8}worker pid {h.info['pid']}, rpc {h.info['rpc']}"

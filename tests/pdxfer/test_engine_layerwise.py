@@ -277,7 +277,8 @@ def test_a_prefill_killed_mid_stream_fails_the_request_with_no_late_byte(cross_b
         d = torch.as_tensor(dst)
         until(lambda: not torch.equal(bits(kv.view("k")[0, d]), bits(canary_view(canary, kv)[0, d])),
               "the first group landed")
-        assert decode.poll("k") is KVPoll.Transferring
+        # Its bytes land before its notify is handled: wait for the state the notify sets.
+        until(lambda: decode.poll("k") is KVPoll.Transferring, "the first group noted")
         prefill.kill()
         with pytest.raises(RequestFailed):
             decode.wait("k", WAIT)
