@@ -3,18 +3,20 @@
 The SIGKILL/SIGSTOP tests need the peer to be another process: its death is
 then an OS-level event (sockets reset by the kernel, no goodbye) and a stall
 is a process that is alive but silent. `prefill_proc.py`/`decode_proc.py`
-are the processes; these are the test's handles on them.
+are the processes; these are the test's handles on them. Each is forked from
+a server that imported torch and pdxfer once (`transport.testing.forked`:
+why that is still a process of its own in every way these tests use).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pdxfer.transport.testing.forked import ForkedProcess
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -25,11 +27,8 @@ class Proc:
 
     def __init__(self, script: str, *args: str, stderr: Any = None) -> None:
         """`stderr`: a file for the process's log (default: the test's own stderr)."""
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / script), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=ROOT,
-        )
+        self.proc = ForkedProcess(script=str(HERE / script), args=args, paths=[str(ROOT), str(HERE)],
+                                  cwd=str(ROOT), stderr=stderr)
         word, self.address = self.line().split()
         assert word == "READY"
 

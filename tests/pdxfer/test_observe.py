@@ -301,6 +301,9 @@ def test_finished_requests_become_opentelemetry_spans_once_enabled() -> None:
         decode.expect("before", prefill.bootstrap_address, {"kv": [1], "state": [1]})
         prefill.send("before", {"kv": [2], "state": [2]})
         assert decode.wait("before", WAIT) is KVPoll.Success
+        # The prefill finishes "before" only when the decode's Done reaches it, which under
+        # load can come after spans are on (a third span): wait for both sides' end first.
+        assert prefill.wait("before", WAIT) is KVPoll.Success
         observe.enable_spans(provider)
         try:
             decode.expect("o1", prefill.bootstrap_address, {"kv": [3], "state": [0]})
