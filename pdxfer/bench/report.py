@@ -16,7 +16,8 @@ matplotlib is an optional extra (`pip install '/path/to/pdxfer[plot]'`); `--plot
 for it only when used and says how to get it when missing. `figure` puts
 the legend beside the axes, never over the data, and `log_if_dwarfed` says
 when a panel's values span so much that a linear axis would flatten all but
-the largest. A saved figure carries which bench drew it and a digest of the
+the largest; `unify` gives a figure one style per series, one y scale, and
+linear ticks in plain numbers (never "+1.521e3" in the corner). A saved figure carries which bench drew it and a digest of the
 code that measured and drew it (`source_digest`), so a committed figure that
 today's code would draw differently is caught by the figure test instead of
 contradicting the table beside it.
