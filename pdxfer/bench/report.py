@@ -16,7 +16,8 @@ matplotlib is an optional extra (`pip install '/path/to/pdxfer[plot]'`); `--plot
 for it only when used and says how to get it when missing. `figure` puts
 the legend beside the axes, never over the data, and `log_if_dwarfed` says
 when a panel's values span so much that a linear axis would flatten all but
-the largest. A saved figure carries which bench drew it and a digest of the
+the largest; `unify` gives a figure one style per series, one y scale, and
+linear ticks in plain numbers (never "+1.521e3" in the corner). A saved figure carries which bench drew it and a digest of the
 code that measured and drew it (`source_digest`), so a committed figure that
 today's code would draw differently is caught by the figure test instead of
 contradicting the table beside it.
@@ -357,7 +358,10 @@ def unify(fig: Any) -> None:
     """One style per label across the figure's lines, and one y scale across its panels.
 
     A panel that went log (`log_if_dwarfed`) takes every panel with data to
-    log, so a reader never compares a linear panel with a log one.
+    log, so a reader never compares a linear panel with a log one. A linear
+    axis ticks in its values as they are (1521.0, 1521.1), never against an
+    offset or a power ("+1.521e3", "1e−6") that matplotlib puts in the
+    corner when the values sit close together or far from 1.
     """
     labels: dict[str, tuple[Any, str]] = {}
     for ax in fig.axes:
@@ -372,6 +376,25 @@ def unify(fig: Any) -> None:
     if any(ax.get_yscale() == "log" for ax in panels):
         for ax in panels:
             to_log(ax)
+    for ax in fig.axes:
+        _plain(ax)
+
+
+def _plain(ax: Any) -> None:
+    """`ax`'s linear axes tick in plain numbers: no offset, no power of ten in the corner.
+
+    Left to itself, matplotlib's `ScalarFormatter` labels two RSS points of
+    1521.0 and 1521.3 MiB as 0.00 ... 0.30 with "+1.521e3" above the axis:
+    a reader has to add the two. Axes with their own labels (`time_axis`,
+    `bytes_axis`, log axes, fixed ticks) are not `ScalarFormatter`s and keep them.
+    """
+    from matplotlib.ticker import ScalarFormatter
+
+    for axis in (ax.xaxis, ax.yaxis):
+        formatter = axis.get_major_formatter()
+        if isinstance(formatter, ScalarFormatter):
+            formatter.set_useOffset(False)
+            formatter.set_scientific(False)
 
 
 def human_bytes(n: float) -> str:
@@ -410,7 +433,8 @@ def bytes_axis(ax: Any, scale: float = 1.0) -> None:
 
 def figure_problems(fig: Any) -> list[str]:
     """What breaks the figure rules: two labels sharing a style, one label in two styles,
-    panels on different y scales. Empty when the figure is fine (the figure test asks)."""
+    panels on different y scales, ticks in powers or against an offset. Empty when the
+    figure is fine (the figure test asks)."""
     problems: list[str] = []
     seen: dict[str, tuple] = {}
     for ax in fig.axes:
@@ -432,16 +456,19 @@ def figure_problems(fig: Any) -> list[str]:
     for ax in fig.axes:
         for axis in ("x", "y"):
             ticks = getattr(ax, f"get_{axis}ticklabels")(which="both")
-            texts = [t.get_text() for t in ticks] + [getattr(ax, f"{axis}axis").get_offset_text().get_text()]
-            powers = [t for t in texts if _POWERS.search(t)]
+            powers = [t.get_text() for t in ticks if _POWERS.search(t.get_text())]
             if powers:
                 problems.append(f"{axis} ticks of {ax.get_title()!r} in powers, not units a "
                                 f"reader uses: {powers[:3]}")
+            offset = getattr(ax, f"{axis}axis").get_offset_text().get_text()
+            if offset:  # "1e−6" (a Unicode minus) is a power too, and "+1521" no unit at all
+                problems.append(f"{axis} ticks of {ax.get_title()!r} read against an offset "
+                                f"in the corner: {offset!r}")
     return problems
 
 
-# 2^6, 10^3, 2x10^0, 1e+03: what matplotlib prints on a log axis left to itself.
-_POWERS = re.compile(r"\^|\\times|\de[+-]?\d")
+# 2^6, 10^3, 2x10^0, 1e+03, 1e−6 (matplotlib writes a Unicode minus): powers, not units.
+_POWERS = re.compile(r"\^|\\times|\de[+\-−]?\d")
 
 
 def matplotlib_rgba(color: Any) -> tuple[float, ...]:

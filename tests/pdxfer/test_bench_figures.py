@@ -7,7 +7,8 @@ y scale (the layouts figure mixed linear and log panels). `report.compose`
 enforces both for every bench; `report.figure_problems` is the check. Each
 bench that draws is run here at `--tiny` with `--plot`, and the figure it
 drew is checked before it is saved. Ticks read in the units a person uses
-(4 KiB, 250 µs, 16), never 2^6 or 10^3.
+(4 KiB, 250 µs, 16), never 2^6 or 10^3, and never against an offset in the
+corner (a tiny peers run's RSS of 1521.0 and 1521.3 MiB read "+1.521e3").
 
 The committed figures in `docs/img/` are checked too: each names the bench
 that drew it and a digest of the code it depends on, which must be today's
@@ -61,19 +62,24 @@ def test_compose_gives_each_series_its_own_style_and_one_scale() -> None:
         plt.close("all")
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("bench", ["transport", "engine", "layouts", "scaling", "peers"])
-def test_every_drawn_figure_keeps_the_rules(bench: str, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    drawn: list[list[str]] = []
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """`report.figure_problems` of every figure composed during the test, in order."""
+    problems: list[list[str]] = []
     compose = report.compose
 
     def checked(*args, **kwargs):
         fig = compose(*args, **kwargs)
-        drawn.append(report.figure_problems(fig))
+        problems.append(report.figure_problems(fig))
         return fig
 
     monkeypatch.setattr(report, "compose", checked)
+    return problems
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("bench", ["transport", "engine", "layouts", "scaling", "peers"])
+def test_every_drawn_figure_keeps_the_rules(bench: str, tmp_path: Path, drawn: list[list[str]]) -> None:
     path = tmp_path / f"{bench}.png"
     assert cli.main(["bench", bench, "--tiny", "--width", "0", "--plot", str(path)]) == 0
     assert drawn and path.stat().st_size > 0
@@ -98,6 +104,49 @@ def test_time_ticks_read_in_units() -> None:
         assert "10 µs" in labels and "100 ms" in labels, labels
     finally:
         plt.close("all")
+
+
+
+def _close_together(p) -> None:
+    """Values a linear axis labels against an offset or a power left to matplotlib."""
+    _, axes = p.subplots(1, 2)
+    axes[0].plot([1, 2], [1521.0, 1521.3], label="rss")  # two RSS points in MiB
+    axes[1].plot([1, 2], [1e-6, 3e-6], label="tiny")
+
+
+def test_the_check_sees_an_offset_in_the_corner() -> None:
+    _close_together(plt)
+    try:
+        problems = report.figure_problems(plt.gcf())
+    finally:
+        plt.close("all")
+    assert "y ticks of '' read against an offset in the corner: '+1.521e3'" in problems, problems
+    assert "y ticks of '' read against an offset in the corner: '1e\u22126'" in problems, problems
+
+
+def test_linear_ticks_read_as_the_values_themselves() -> None:
+    """The flaky peers figure: a tiny run's 1- and 2-peer RSS 0.3 MiB apart (+1.521e3)."""
+    try:
+        fig = report.compose(plt, _close_together, "t")
+        assert report.figure_problems(fig) == []
+        rss, tiny = ([t.get_text() for t in ax.get_yticklabels()] for ax in fig.axes)
+        assert "1521.00" in rss and "1521.30" in rss, rss
+        assert "0.00000100" in tiny, tiny
+    finally:
+        plt.close("all")
+
+
+def test_the_peers_figure_reads_close_rss_values(tmp_path: Path, drawn: list[list[str]]) -> None:
+    """Every panel of `bench peers` stays linear here, RSS and threads a fraction apart."""
+    from pdxfer.bench import peers
+
+    results = [{"backend": "tcp", "peers": n, "inflight": 1, "req_s": 500.0 + n, "p99_us": 900.0 + n}
+               for n in (1, 2)]
+    memory = [{"backend": "tcp", "side": side, "peers": n, "rss": (1521 + 0.3 * n) * 2**20,
+               "threads": 1000 + 0.01 * n, "bounce": 16 * 2**20 + n}
+              for side in ("prefill: out", "transport: in") for n in (1, 2)]
+    peers.plot(results, memory, tmp_path / "peers.png", "note")
+    assert drawn == [[]], drawn
 
 
 def test_the_source_digest_ignores_prose_and_sees_code(tmp_path: Path,
