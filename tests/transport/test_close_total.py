@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from pdxfer.transport import CloseError
+from pdxfer.transport.testing.forked import ForkedProcess
 from pdxfer.transport.testing.rig import WAIT, until
 
 from pdxfer import transport
@@ -102,8 +101,9 @@ class Frozen:
     """`count` engines of `backend` in one child process (many_peers.py), frozen on demand."""
 
     def __init__(self, backend: str, count: int) -> None:
-        self.child = subprocess.Popen([sys.executable, str(HERE / "many_peers.py"), backend,
-                                       str(count)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # forked from the preloaded server (transport.testing.forked): seconds less to start
+        self.child = ForkedProcess(script=str(HERE / "many_peers.py"), args=[backend, str(count)],
+                                   text=False)
         line = self.child.stdout.readline()
         assert line, f"many_peers.py exited with {self.child.wait()}"
         self.peers = msgpack.unpackb(bytes.fromhex(line.decode()))
