@@ -118,8 +118,16 @@ class ForkedProcess:
         return self._process.exitcode
 
     def send_signal(self, sig: int) -> None:
+        """Signal it unless it has ended (as Popen: a process already gone is not an error).
+
+        The server reaps the child and only then reports its status, so for a moment a
+        dead child has no exit code here and no pid there: that lookup error is its end.
+        """
         if self._process.exitcode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
