@@ -28,12 +28,14 @@ setup: $(STAMP)
 demo: setup
 	$(PY) -m examples.launch_pd --transport tcp --requests 8 --prompt-len 48 --gen-len 8
 
-# Two pytest-xdist workers: much of the suite waits (timeouts, peers' replies, worker
-# processes starting), so a second worker fills those waits on two cores (tests sharing one
-# launcher run find it across workers: tests/conftest.py). Work stealing with the slowest
-# files first (tests/conftest.py, tests/durations.json): the run ends on short tests, not
-# on one worker's last long one. TEST_WORKERS=0 runs the suite in this one process.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers on two cores: much of the suite waits (timeouts waited out in
+# real time, peers' replies, worker processes starting), so a third worker fills those
+# waits; with two, a quarter of the cores' time went idle (docs/reliability.md, "Suite
+# time", has both runs). Tests sharing one launcher run find it across workers
+# (tests/conftest.py). Work stealing with the slowest files first (tests/conftest.py,
+# tests/durations.json): the run ends on short tests, not on one worker's last long one.
+# TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 3
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist worksteal)
 

@@ -13,7 +13,7 @@ names. Runs are keyed by the launcher's own parse of the arguments
 spelling; arguments it refuses are keyed as written (and run, so the test sees
 the refusal).
 
-Under pytest-xdist (`make test`: `-n 2`) the askers of one run may sit on
+Under pytest-xdist (`make test`: `-n 3`) the askers of one run may sit on
 different workers: the result is kept as a file in the directory the workers'
 temporary directories share, written under a file lock, so the first asker
 runs the command and the others wait for it and read it. (xdist's own
@@ -85,14 +85,14 @@ def launcher_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subp
 
 # -- the suite's order: slowest files first ------------------------------------------------
 #
-# `make test` runs two xdist workers with `--dist worksteal`: each worker starts on half of
-# the collection and an idle one takes tests from the end of the other's queue. The wall time
+# `make test` runs three xdist workers with `--dist worksteal`: each worker starts on a third of
+# the collection and an idle one takes tests from the end of another's queue. The wall time
 # is then set by what is left running at the end, so the files that take longest run first
 # and the end of every queue is made of short tests. A file's weight is its measured time
 # (setup + call + teardown of all its tests, seconds) from tests/durations.json; files stay
 # whole and in their own order (their module-scoped fixtures are set up once per worker), and
 # a file the table does not know yet weighs the median. Refresh the table after adding slow
-# tests: `.venv/bin/python -m pytest -q -n 2 --dist worksteal --store-durations`.
+# tests: `.venv/bin/python -m pytest -q -n 3 --dist worksteal --store-durations`.
 
 DURATIONS = Path(__file__).with_name("durations.json")
 
