@@ -24,7 +24,8 @@ The project runs it over every configuration the registry names
 `transport.registry`'s configurations table) in
 tests/transport/test_kit_conformance.py. The cases live in `cases_*.py`, one
 topic each; `rig.py` has the pair of engines and the gates; `tables.py` the
-random tables and canary checks; `peer.py` the peer process.
+random tables and canary checks; `peer.py` the peer process, which `forked.py`
+starts by forking a server that imported torch once (seconds less per peer).
 """
 
 from .rig import Backend, Gate, Rig, StepGate, need, until
