@@ -33,6 +33,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from pdxfer.transport.testing.forked import ForkedProcess
 
 from pdxfer import transport
 
@@ -45,7 +46,7 @@ NBYTES = 64 << 20
 BUFFERED = 64 << 10  # bytes of the sender's that must wait in our socket buffers at the fence
 
 
-def _readline(proc: subprocess.Popen, timeout: float = WAIT) -> str:
+def _readline(proc: ForkedProcess, timeout: float = WAIT) -> str:
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     assert ready, f"the sender process said nothing in {timeout} s (exit code {proc.poll()})"
     return proc.stdout.readline().decode().strip()
@@ -131,8 +132,9 @@ def test_drop_peer_fences_a_receive_with_bytes_in_flight(monkeypatch) -> None:
                 hold_then_fence()
 
         monkeypatch.setattr(rx.progress, "_complete", gated_pass)
-        child = subprocess.Popen([sys.executable, str(HERE / "ucx_sender.py"), str(NBYTES)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # forked from the preloaded server (transport.testing.forked; UCXX is imported in the
+        # child, as in a new interpreter): seconds less to start
+        child = ForkedProcess(script=str(HERE / "ucx_sender.py"), args=[str(NBYTES)], text=False)
         try:
             info = {"address": rx.address(), "descriptor": region.descriptor()}
             child.stdin.write(msgpack.packb(info).hex().encode() + b"\n")
