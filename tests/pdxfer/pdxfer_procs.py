@@ -10,7 +10,6 @@ why that is still a process of its own in every way these tests use).
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -47,25 +46,8 @@ class Proc:
         self.proc.send_signal(sig)
 
     def freeze(self) -> None:
-        """SIGSTOP, returning once every thread of the process is stopped.
-
-        The signal is asynchronous: a thread woken by a network event may
-        still answer it for a moment after `kill` returns. Reading each
-        thread's state from /proc is the event to synchronise on.
-        """
-        self.kill(signal.SIGSTOP)
-        tasks = Path(f"/proc/{self.proc.pid}/task")
-        for _ in range(200000):
-            states = []
-            for task in tasks.iterdir():
-                try:
-                    states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-                except (FileNotFoundError, ProcessLookupError):
-                    continue  # a thread that just ended
-            if states and all(st in ("T", "t") for st in states):
-                return
-            os.sched_yield()
-        raise AssertionError(f"process {self.proc.pid} never stopped")
+        """SIGSTOP, returning once every thread of the process is stopped."""
+        self.proc.freeze()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

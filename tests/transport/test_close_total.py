@@ -24,7 +24,7 @@ import pytest
 import torch
 from pdxfer.transport import CloseError
 from pdxfer.transport.testing.forked import ForkedProcess
-from pdxfer.transport.testing.rig import WAIT, until
+from pdxfer.transport.testing.rig import WAIT
 
 from pdxfer import transport
 
@@ -109,17 +109,7 @@ class Frozen:
         self.peers = msgpack.unpackb(bytes.fromhex(line.decode()))
 
     def freeze(self) -> None:
-        os.kill(self.child.pid, signal.SIGSTOP)
-        tasks = f"/proc/{self.child.pid}/task"
-
-        def stopped() -> bool:
-            try:
-                return all(open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[0] in "tT"
-                           for t in os.listdir(tasks))
-            except OSError:
-                return False
-
-        assert until(stopped, WAIT, 0.001), "the peers' process did not stop"
+        self.child.freeze(WAIT)
 
     def kill(self) -> None:
         os.kill(self.child.pid, signal.SIGCONT)

@@ -26,6 +26,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,3 +132,30 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+    def freeze(self, timeout: float = 30.0) -> None:
+        """SIGSTOP, returning once every thread of it is stopped (AssertionError past `timeout`).
+
+        The signal is asynchronous: a thread woken by a network event may still
+        answer for a moment after `kill` returns. Each thread's state in /proc
+        is the event to synchronise on.
+        """
+        os.kill(self.pid, signal.SIGSTOP)
+        tasks = f"/proc/{self.pid}/task"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = []
+            try:
+                names = os.listdir(tasks)
+            except OSError:
+                break  # it is gone
+            for task in names:
+                try:
+                    with open(f"{tasks}/{task}/stat") as stat:
+                        states.append(stat.read().rsplit(")", 1)[1].split()[0])
+                except OSError:
+                    continue  # a thread that just ended
+            if states and all(st in ("T", "t") for st in states):
+                return
+            os.sched_yield()
+        raise AssertionError(f"process {self.pid} did not stop within {timeout} s")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -369,18 +368,7 @@ class PeerProcess:
 
     def freeze(self) -> None:
         """SIGSTOP, and return once every thread of it is stopped (signals land asynchronously)."""
-        os.kill(self.pid, signal.SIGSTOP)
-        tasks = f"/proc/{self.pid}/task"
-
-        def stopped() -> bool:
-            try:
-                states = [open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[0]
-                          for t in os.listdir(tasks)]
-            except OSError:
-                return False
-            return all(s in "tT" for s in states)
-
-        assert until(stopped, WAIT, 0.001), f"peer process {self.pid} did not stop"
+        self.child.freeze(WAIT)
 
     def kill(self) -> None:
         self.child.kill()
