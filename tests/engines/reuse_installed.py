@@ -9,8 +9,9 @@ them (the byte-compiled ones included), into the engine's venv; pip then finds t
 satisfied and installs the rest from the index as before. The files are the bytes a wheel
 install writes, except the shebang of console scripts, rewritten to the engine venv's Python.
 
-A distribution is left to pip when its version differs from the pin, its RECORD is missing or
-lists a file that is gone, or the two interpreters differ (byte code and extension modules are
+A distribution is left to pip when its version differs from the pin, it is an editable install
+(its files point into a source tree), its RECORD is missing or lists a file that is gone, or
+the two interpreters differ (byte code and extension modules are
 per Python build). Its `.dist-info` is linked last: a run cut short leaves no metadata claiming
 a half-linked distribution, and pip installs it over. Files are copied where a hard link is
 refused (another file system). Run under the source environment's Python:
@@ -83,6 +84,9 @@ def main(pins_path: str, python: str) -> None:
     for dist in importlib.metadata.distributions():
         name = _norm(dist.metadata["Name"] or "")
         if name in done or pins.get(name) != dist.version or dist.files is None:
+            continue
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+        if direct.get("dir_info", {}).get("editable"):
             continue
         files = [(str(f), str(dist.locate_file(f))) for f in dist.files]
         if not all(os.path.isfile(src) for _, src in files):
