@@ -7,8 +7,8 @@ pdxfer engine, a torch kernel or a thread, so its children start as clean as spa
 
 Two traps this module exists for:
 
-- Python 3.11's fork server ignores the `sys.path` it is handed (its `main` takes the
-  argument and drops it), and this directory is on `sys.path` only because pytest put it
+- Python's fork server (3.11 to 3.13) ignores the `sys.path` it is handed (its `main` takes
+  the argument and drops it), and this directory is on `sys.path` only because pytest put it
   there; the preload's `ImportError` is swallowed, and every worker would then import vLLM
   on its own while the tests still passed, each a dozen seconds slower. The server is given
   this directory on `PYTHONPATH` instead, and `vllm_harness.Engine` refuses a worker that
