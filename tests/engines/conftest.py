@@ -9,3 +9,9 @@ import importlib.util
 
 collect_ignore_glob = [f"test_{engine}*.py" for engine in ("sglang", "vllm")
                        if importlib.util.find_spec(engine) is None]
+
+if importlib.util.find_spec("vllm") is not None:
+    # Before collection imports vLLM here: the fork server imports it alongside (vllm_forkserver).
+    import vllm_forkserver
+
+    vllm_forkserver.context()

@@ -25,8 +25,8 @@ from vllm_harness import (
 
 from pdxfer.integrations import vllm as connector_module
 
-# The module's first test pays for the fork server's one import of vLLM (a minute or more with
-# both cores busy).
+# Generous: the first test may wait for the fork server's one import of vLLM (vllm_forkserver),
+# a minute or more with both cores busy.
 pytestmark = pytest.mark.timeout(600)
 
 

@@ -12,6 +12,7 @@ import logging
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,8 +45,7 @@ from pdxfer.errors import ConfigError
 from pdxfer.integrations import vllm as connector_module
 from pdxfer.integrations.vllm import PdxferConnector, PdxferKVConnectorStats
 
-# The module's first test pays for the fork server's one import of vLLM (a minute or more with
-# both cores busy); every test then runs several engines' worker processes.
+# Generous: every test runs several engines' worker processes, and must pass on two busy cores.
 pytestmark = pytest.mark.timeout(600)
 
 BLOCK_BYTES = 2 * 2 * BLOCK * HEADS * HEAD * 2  # both layers' K and V of one block, fp16
@@ -58,70 +58,30 @@ def model_dir(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("model"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def plugin_runs(tmp_path_factory):
+    """The plugin-edge scripts (item 7), started as the module's first test starts.
+
+    Each is a fresh interpreter importing vLLM (seconds of one core); started here, they run
+    beside the engine tests, which mostly wait on their workers, and the module's last two
+    tests read what they printed.
+    """
+    runs = _runs(tmp_path_factory.mktemp("plugin"))
+    yield runs
+    for proc, out, err in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        out.close()
+        err.close()
+
+
 def merged(side: Engine) -> PdxferKVConnectorStats:
     """Everything the side's scheduler handed its loggers, as vLLM's logger rebuilds it."""
     total = PdxferConnector.build_kv_connector_stats()
     for data in side.stats:
         total.aggregate(PdxferConnector.build_kv_connector_stats(data))
     return total
-
-
-# -- item 7: the plugin edge ------------------------------------------------------------------
-DRIFTED = r"""
-import sys
-import vllm
-import vllm.distributed.kv_transfer.kv_connector.v1.base as base
-del base.SupportsHMA  # a later vLLM renaming one name pdxfer imports, standing in
-from vllm.engine.arg_utils import EngineArgs
-# vLLM's start-up (what `vllm serve` parses first) runs every vllm.general_plugins entry point,
-# without a guard, pdxfer's among them
-EngineArgs(model="any-model")
-from pdxfer.integrations import vllm as connector
-try:
-    connector.PdxferConnector(None, None, None)
-except ImportError as exc:
-    print("REFUSED:", exc)
-print("STARTED", vllm.__version__, connector.PdxferConnector.supports_sleep_mode(None))
-"""
-
-ABSENT = r"""
-import sys
-sys.modules["vllm"] = None  # vLLM not installed, as this interpreter sees it
-from pdxfer.integrations import vllm as connector
-connector.register()
-try:
-    connector.PdxferConnector(None, None, None)
-except ImportError as exc:
-    print("REFUSED:", exc)
-"""
-
-
-def _run(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
-                          timeout=240)
-
-
-def test_a_drifted_vllm_starts_with_one_warning_naming_the_moved_name_and_the_version() -> None:
-    import vllm
-
-    out = _run(DRIFTED)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"STARTED {vllm.__version__} False" in out.stdout
-    warnings = [line for line in out.stderr.splitlines() if "pdxfer" in line]
-    assert len(warnings) == 1, out.stderr[-3000:]
-    name = "vllm.distributed.kv_transfer.kv_connector.v1.base.SupportsHMA"
-    for text in (warnings[0], out.stdout):
-        assert name in text and f"vLLM {vllm.__version__} is installed" in text
-        assert "pip install" not in text  # the advice for an absent vLLM would be wrong here
-    assert "REFUSED:" in out.stdout
-
-
-def test_without_vllm_the_plugin_warns_and_the_connector_says_install_it() -> None:
-    out = _run(ABSENT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    warnings = [line for line in out.stderr.splitlines() if "pdxfer" in line]
-    assert len(warnings) == 1 and "needs vLLM installed (pip install 'vllm==0.33.*')" in warnings[0]
-    assert "REFUSED: pdxfer's vLLM connector needs vLLM installed" in out.stdout
 
 
 # -- item 2: aborts ------------------------------------------------------------------------------
@@ -519,3 +479,79 @@ def test_tp2_to_tp2_with_64_requests_in_flight_and_a_tp1_decode_refused_by_name(
     finally:
         for e in (P, D, D1):
             e.close()
+
+
+# -- item 7: the plugin edge (last: its two interpreters start with the module, see plugin_runs) ----
+DRIFTED = r"""
+import sys
+import vllm
+import vllm.distributed.kv_transfer.kv_connector.v1.base as base
+del base.SupportsHMA  # a later vLLM renaming one name pdxfer imports, standing in
+from vllm.engine.arg_utils import EngineArgs
+# vLLM's start-up (what `vllm serve` parses first) runs every vllm.general_plugins entry point,
+# without a guard, pdxfer's among them
+EngineArgs(model="any-model")
+from pdxfer.integrations import vllm as connector
+try:
+    connector.PdxferConnector(None, None, None)
+except ImportError as exc:
+    print("REFUSED:", exc)
+print("STARTED", vllm.__version__, connector.PdxferConnector.supports_sleep_mode(None))
+"""
+
+ABSENT = r"""
+import sys
+sys.modules["vllm"] = None  # vLLM not installed, as this interpreter sees it
+from pdxfer.integrations import vllm as connector
+connector.register()
+try:
+    connector.PdxferConnector(None, None, None)
+except ImportError as exc:
+    print("REFUSED:", exc)
+"""
+
+
+def _runs(tmp: Path) -> dict[str, tuple]:
+    """DRIFTED and ABSENT, each in a fresh interpreter, started now; `_outcome` waits for one.
+
+    Their output goes to files, not pipes: nobody reads a pipe until the test, and a full
+    one would stall the interpreter.
+    """
+    runs = {}
+    for name, script in (("drifted", DRIFTED), ("absent", ABSENT)):
+        out, err = (open(tmp / f"{name}.{s}", "w+") for s in ("out", "err"))
+        proc = subprocess.Popen([sys.executable, "-P", "-c", script], stdout=out, stderr=err)
+        runs[name] = (proc, out, err)
+    return runs
+
+
+def _outcome(run: tuple) -> subprocess.CompletedProcess:
+    proc, out, err = run
+    proc.wait(240)
+    for f in (out, err):
+        f.seek(0)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+
+def test_a_drifted_vllm_starts_with_one_warning_naming_the_moved_name_and_the_version(
+        plugin_runs) -> None:
+    import vllm
+
+    out = _outcome(plugin_runs["drifted"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"STARTED {vllm.__version__} False" in out.stdout
+    warnings = [line for line in out.stderr.splitlines() if "pdxfer" in line]
+    assert len(warnings) == 1, out.stderr[-3000:]
+    name = "vllm.distributed.kv_transfer.kv_connector.v1.base.SupportsHMA"
+    for text in (warnings[0], out.stdout):
+        assert name in text and f"vLLM {vllm.__version__} is installed" in text
+        assert "pip install" not in text  # the advice for an absent vLLM would be wrong here
+    assert "REFUSED:" in out.stdout
+
+
+def test_without_vllm_the_plugin_warns_and_the_connector_says_install_it(plugin_runs) -> None:
+    out = _outcome(plugin_runs["absent"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    warnings = [line for line in out.stderr.splitlines() if "pdxfer" in line]
+    assert len(warnings) == 1 and "needs vLLM installed (pip install 'vllm==0.33.*')" in warnings[0]
+    assert "REFUSED: pdxfer's vLLM connector needs vLLM installed" in out.stdout

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
 import torch
+import vllm_forkserver
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -226,17 +228,7 @@ def block_bytes(side, layer: str, blocks: list[int]) -> list[torch.Tensor]:
 
 
 # -- the worker-side connectors in their own processes ----------------------------------------------
-def _context():
-    """Worker processes forked from a server that imported vLLM once (a spawn costs seconds each).
-
-    The fork server never ran a pdxfer engine, a torch kernel or a thread, so its children
-    start as clean as spawned ones, and each of them imports nothing new.
-    """
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["vllm_harness"])
-    return ctx
+_IMPORTED_BY = os.getpid()  # the fork server's pid in its workers: vllm_forkserver.preloaded
 
 
 def worker_main(conn, model_dir: str, role: str, rank: int, tp: int, init: str, kw: dict) -> None:
@@ -265,7 +257,7 @@ def worker_main(conn, model_dir: str, role: str, rank: int, tp: int, init: str, 
                                          local_rank=rank, backend="gloo")
             initialize_model_parallel(tensor_model_parallel_size=tp, backend="gloo")
     side.start_worker()
-    conn.send(side.worker.get_handshake_metadata())
+    conn.send((side.worker.get_handshake_metadata(), vllm_forkserver.preloaded(_IMPORTED_BY)))
     while True:
         cmd, arg = conn.recv()
         if cmd == "close":
@@ -319,7 +311,7 @@ class Engine:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        ctx = _context()
+        ctx = vllm_forkserver.context()
         self.conns, self.procs = [], []
         for rank in range(tp):  # rank r's caches seeded apart from every other rank's and engine's
             mine, theirs = ctx.Pipe()
@@ -329,7 +321,10 @@ class Engine:
             theirs.close()
             self.conns.append(mine)
             self.procs.append(proc)
-        metas = [self._recv(r, 300.0) for r in range(tp)]
+        metas, preloaded = zip(*[self._recv(r, 300.0) for r in range(tp)], strict=True)
+        # a worker that imported vLLM itself costs a dozen seconds: the fork server's preload
+        # failed (vllm_forkserver says why that happens silently)
+        assert all(preloaded), f"{role}'s workers imported {vllm_forkserver.PRELOAD} themselves"
         if self.sched.connector._producer:  # what EngineCore does with the workers' metadata
             self.sched.connector.set_xfer_handshake_metadata_pp_aware(
                 {(0, r): m for r, m in enumerate(metas)})
