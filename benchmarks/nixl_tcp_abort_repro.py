@@ -36,7 +36,8 @@ import signal
 import sys
 import time
 
-from ucx_tcp_abort_repro import _recv, _send, _stopped  # the same pipes and stop detection
+# the same pipes and stop detection
+from ucx_tcp_abort_repro import _pending, _recv, _send, _stopped
 
 BYTES = 1 << 16
 
@@ -202,6 +203,7 @@ def one_run(a: argparse.Namespace, send: bool) -> str | None:
                 pass
         for fd in (p_r, p_w, v_r, v_w):
             os.close(fd)
+            _pending.pop(fd, None)  # the number is reused by the next run's pipes
 
 
 def main(argv: list[str] | None = None) -> int:
