@@ -75,12 +75,20 @@ def _send(fd: int, data: bytes) -> None:
     os.write(fd, len(data).to_bytes(4, "little") + data)
 
 
+# bytes read past the message `_recv` returned, by fd: the next message may already be in
+# the same read (a side descheduled while two messages arrive; NIXL's metadata is large)
+_pending: dict[int, bytes] = {}
+
+
 def _recv(fd: int, timeout: float = 30.0) -> bytes:
-    buf = b""
+    buf = _pending.pop(fd, b"")
     deadline = time.monotonic() + timeout
     while True:
         if len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[:4], "little"):
-            return buf[4:4 + int.from_bytes(buf[:4], "little")]
+            end = 4 + int.from_bytes(buf[:4], "little")
+            if len(buf) > end:
+                _pending[fd] = buf[end:]
+            return buf[4:end]
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
             raise TimeoutError("no answer")
@@ -230,6 +238,7 @@ def one_run(a: argparse.Namespace, send: bool) -> str | None:
                 pass
         for fd in (p_r, p_w, v_r, v_w):
             os.close(fd)
+            _pending.pop(fd, None)  # the number is reused by the next run's pipes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,9 +93,20 @@ def make_agent(name: str, tls: str, device: str | None = None) -> nixl_agent:
     as backend parameters, never through the environment: another library
     in the process may use UCX differently. Only UCX's log destination must
     be set through it (`ucxenv.route_ucx_log`).
+
+    tcp connects without blocking (`TCP_CONN_NB=y`), as the ucx backend's
+    (`ucx/lib.py: context` has the mechanism): NIXL bundles its own UCX
+    (1.23.0 in nixl-cu12 1.5.1) and it has the same tcp bug — a peer that
+    connected to our worker and died before our endpoint to it was set up
+    (loaded after its death) aborted this process in every forced run
+    (SIGABRT, `stubs.c:107` from tcp's pending purge;
+    `benchmarks/nixl_tcp_abort_repro.py`, docs/reliability.md). NIXL hands
+    each `KEY=VALUE` of `engine_config` to `ucp_config_modify` (a `UCX_KEY`
+    in the environment wins); under a list without tcp the key is unused.
+    Deletion condition: as the ucx backend's, for the UCX nixl-cu12 bundles.
     """
     route_ucx_log()
-    engine_config = f"TLS={tls}" + (f",NET_DEVICES={device}" if device else "")
+    engine_config = f"TLS={tls},TCP_CONN_NB=y" + (f",NET_DEVICES={device}" if device else "")
     config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
     try:
         agent = nixl_agent(name, config)
