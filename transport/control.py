@@ -36,6 +36,11 @@ Two kit classes carry it:
   (`inbound`): a `Bye(quiet=True)`, or the sender's side closing without
   any `Bye`, is the proof a link that cannot settle by itself needs. Sends (acks, `Gone`,
   replies) that fail fence the link: a sender that stopped reading is gone.
+  A send that finds the sender's side hung up (reset, broken pipe) fences
+  only once the link's reader has read that end, bounded by `SEND_TIMEOUT`:
+  the reader's end without a `Bye` is the proof; fenced first, the socket
+  was closed under the reader and a link that cannot settle by itself
+  stayed unproven for good.
   `hand_over(landed)` is the progress thread's one way to pass notes on:
   the kit's delivery rule, then one `Acks` frame. With `block=False` (a
   progress thread serving many links) the frame goes out only as far as the
@@ -90,6 +95,12 @@ log = logging.getLogger(__name__)
 # A stalled sender that stops reading its control socket must not stall our
 # progress thread forever in a send of acks.
 SEND_TIMEOUT = 5.0
+
+
+def _hung_up(exc: BaseException) -> bool:
+    """Whether a failed send says the other side closed or reset the connection (not a stall)."""
+    # the socket's own error, or the one our wire's PeerLostError was raised from
+    return any(isinstance(e, ConnectionResetError | BrokenPipeError) for e in (exc, exc.__cause__))
 
 
 # The frames whose meaning is the same on every control channel; each backend's
@@ -363,6 +374,7 @@ class ControlInbound(InboundLink):
         # Set (in `cut`) just before we shut the socket down ourselves: an end of stream read
         # before it is the sender's, whether or not a fence of ours is already under way.
         self._cut_here = False
+        self._ending = False  # a send found the sender hung up: the reader concludes (`_send_failed`)
 
     # -- backend hooks ------------------------------------------------------------
     def admit(self, hello: Any) -> Any:
@@ -475,8 +487,35 @@ class ControlInbound(InboundLink):
         try:
             self._send(msg)
         except (TransportError, OSError) as exc:
-            log.warning("%s: link from %s lost while sending %s: %s",
-                        self.table.name, self.sender, type(msg).TYPE, exc)
+            self._send_failed(type(msg).TYPE, exc)
+
+    def _send_failed(self, what: str, exc: BaseException) -> None:
+        """A send to the sender failed: fence the link — after its reader saw the end, if it hung up.
+
+        A sender that hung up (it died: reset, broken pipe) ends the reader's
+        stream too, at once; read there without a `Bye`, that end is the proof
+        a link that cannot settle by itself needs (`peer_gone`). Fenced here
+        first, the link closed the socket under the reader, which then read
+        our own cut: unproven for good (ucx `tls="all"`, 1 of 12 SIGKILLed
+        senders). So such a link waits (off this thread, which may be the
+        progress thread) for its reader to end, bounded by `SEND_TIMEOUT`,
+        and is fenced then if it still lives. A stalled sender (a send timing
+        out) is fenced at once.
+        """
+        log.warning("%s: link from %s lost while sending %s: %s", self.table.name, self.sender, what, exc)
+        if self.self_settles or not _hung_up(exc):
+            self.fence()
+            return
+        with self._ack_lock:
+            if self._ending:
+                return
+            self._ending = True
+        threading.Thread(target=self._end_after_reader, daemon=True,
+                         name=f"control-end {self.sender}").start()
+
+    def _end_after_reader(self) -> None:
+        self.join(SEND_TIMEOUT)
+        if not self.dead:
             self.fence()
 
     def ack_nowait(self, seqs: list[int]) -> None:
@@ -522,8 +561,7 @@ class ControlInbound(InboundLink):
         finally:
             self.send_lock.release()
         if error is not None:
-            log.warning("%s: link from %s lost while sending acks: %s", self.table.name, self.sender, error)
-            self.fence()
+            self._send_failed("acks", error)
 
     def send_made(self, make: Callable[[], Any]) -> None:
         """Send the frame `make()` returns, made under the send lock (a reply listing regions).

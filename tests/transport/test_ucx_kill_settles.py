@@ -16,6 +16,7 @@ a 0.1 % event).
 from __future__ import annotations
 
 import select
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -74,3 +76,35 @@ def test_every_sigkilled_ucx_all_sender_settles_at_its_receiver() -> None:
         finally:
             proc.kill()
             proc.wait()
+
+
+def test_a_send_that_finds_the_sender_hung_up_leaves_the_proof_to_the_reader() -> None:
+    """The same proof lost another way: an ack or `Gone` sent to a sender that had just died.
+
+    The send fails (connection reset) before the link's reader has read the end of the
+    stream. Fenced there and then, the link closed the socket under its reader, which read
+    our own cut: unproven for good (1 of 12 SIGKILLs of the test above, in one CI run).
+    Here the failed send is injected while the sender still lives, then the sender's
+    control connection ends without a `Bye`, as a dead process's does: the link must wait
+    for its reader and settle on that end.
+    """
+    from pdxfer.transport.control import ControlInbound
+    from pdxfer.transport.errors import PeerLostError
+    from pdxfer.transport.testing.rig import WAIT, until
+
+    with transport.create("ucx", tls="all") as rx, transport.create("ucx", tls="all") as tx:
+        dst = rx.register(torch.zeros(1 << 16, dtype=torch.uint8))
+        src = tx.register(torch.ones(1 << 16, dtype=torch.uint8))
+        conn = tx.connect(rx.address())
+        conn.write(src, dst.descriptor(), np.array([[0, 0, 4096]], np.int64)).wait(WAIT)
+        [link] = rx.inbound.of(tx.engine_id)
+        assert isinstance(link, ControlInbound) and not link.self_settles
+
+        def reset(*_args: object) -> None:
+            raise PeerLostError("sending Gone failed: [Errno 104]") from ConnectionResetError(104, "reset")
+
+        link._send = reset
+        link.region_gone(12345)  # a Gone: its send fails as a dead sender's would
+        assert not link.dead, "fenced before its reader read the sender's end"
+        conn.sock.shutdown(socket.SHUT_RDWR)  # the sender's side ends without a Bye: it died
+        assert until(lambda: rx.settled(tx.engine_id), WAIT), "the dead sender never settled"
