@@ -103,9 +103,23 @@ def transfer(dec: H.Decode, proc: PrefillProc, *, room: int, n: int, dst: list[i
     proc.write(rank=rank, room=room, n=n, src=src, slot=src_slot, ends=ends, token=FIRST_TOKEN,
                mode=mode)
     dreq = dec.admit(req)
-    until(lambda: dreq.waiting_for_input or req.finished(), "the decode's handshake")
+    until(lambda: handshake_turn(dec) and (dreq.waiting_for_input or req.finished()),
+          "the decode's handshake")
     dec.allocate(dreq, dst, slot)
     return req, dreq
+
+
+def handshake_turn(dec: H.Decode) -> bool:
+    """One turn of SGLang's decode loop over its handshake waiters (always True).
+
+    The prefill's parallel info is looked up in the background and asked for
+    at most 0.2 s per turn: a loaded machine's first lookup outlasts one turn,
+    and only a later turn (SGLang's loop makes one each iteration) sees it.
+    """
+    pq = dec.prealloc
+    pq._resolve_pending_reqs()  # a request whose prefill's DP rank waited on that lookup
+    pq._update_handshake_waiters()
+    return True
 
 
 def finish(dec: H.Decode, req) -> list:
@@ -251,7 +265,7 @@ def test_mixed_tp_for_mha_is_refused_with_the_reason(server_args, procs) -> None
     dec = decode(server_args, "mha-tp1", attn_tp=1)
     req = H.request(1006, 40, procs["mha"].port)
     dec.admit(req)
-    until(req.finished, "the refusal")
+    until(lambda: handshake_turn(dec) and req.finished(), "the refusal")
     msg = req.finished_reason.message
     assert "prefill attn_tp_size=2, decode attn_tp_size=1: MHA/GQA K/V is split by head" in msg, msg
     assert "mixed TP works for MLA models" in msg
@@ -274,7 +288,8 @@ def test_a_decode_prefix_hit_ships_only_the_tail(server_args, procs) -> None:
     mha.write(rank=0, room=1007, n=40, src=[2, 11, 5], ends=[20, 40], token=FIRST_TOKEN,
               mode="normal")
     dreq = dec.admit(req)
-    until(lambda: dreq.waiting_for_input or req.finished(), "the decode's handshake")
+    until(lambda: handshake_turn(dec) and (dreq.waiting_for_input or req.finished()),
+          "the decode's handshake")
     dec.allocate(dreq, tail, None, prefix_pages=2)
     finish(dec, req)
     done = mha.read()
